@@ -1,0 +1,247 @@
+"""The MegEngine adapter: unified_amp's primitives on MegEngine's own kernels."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import megengine
+import megengine.functional as F
+import megengine.functional.nn as _fnn
+import megengine.module.activation as _mact
+import megengine.module.batchnorm as _mbn
+from megengine.autodiff import GradManager as _NativeGradManager
+from megengine.core import _config
+from megengine.core._imperative_rt.core2 import (
+    _get_amp_high_prec_dtype,
+    _get_amp_low_prec_dtype,
+    _set_amp_dtype_autocast,
+    _set_amp_high_prec_dtype,
+    _set_amp_low_prec_dtype,
+)
+from megengine.core.tensor import amp as _amp_state
+from megengine.core.tensor.dtype import is_bfloat16
+from megengine.functional.math import _check_non_finite
+from megengine.optimizer import clip_grad_norm as _clip_grad_norm
+
+from unified_amp.errors import UnsupportedPrecisionError
+
+_LOW = (np.dtype("float16"),)
+
+
+def _is_low(dtype: Any) -> bool:
+    return dtype in _LOW or is_bfloat16(dtype)
+
+
+# MegEngine's autocast state is process-global (unlike torch's, which is per thread), so
+# this stack is too: True while the innermost unified autocast block is enabled.
+_policy_stack: list[bool] = []
+
+
+def _policy_on() -> bool:
+    return bool(_policy_stack) and _policy_stack[-1]
+
+
+# -- the dtype contract (docs/DTYPE_CONTRACT.md) ----------------------------------------
+# MegEngine decides most autocast dtypes in C++, where no hook reaches; three rows of the
+# contract need a Python-level wrapper, active only inside an enabled unified block:
+# softmax and sum keep a float16 input in float16 (the contract says float32), and batch
+# norm casts a float32 input down to float16 (the contract says: follow the input).
+def _softmax_fp32(orig: Callable) -> Callable:
+    def softmax(inp, axis=None):
+        if _policy_on() and _is_low(inp.dtype):
+            inp = inp.astype("float32")
+        return orig(inp, axis)
+
+    return softmax
+
+
+def _sum_fp32(orig: Callable) -> Callable:
+    def sum(self, axis=None, keepdims: bool = False):  # noqa: A001 - a Tensor method
+        if _policy_on() and _is_low(self.dtype):
+            self = self.astype("float32")
+        return orig(self, axis, keepdims)
+
+    return sum
+
+
+def _batch_norm_follows_input(orig: Callable) -> Callable:
+    def batch_norm(inp, *args, **kwargs):
+        if _policy_on() and not _is_low(inp.dtype):
+            # MegEngine's C++ autocast casts BatchNorm to float16; run it without.
+            saved = _set_autocast(False)
+            try:
+                return orig(inp, *args, **kwargs)
+            finally:
+                _restore_autocast(saved)
+        return orig(inp, *args, **kwargs)
+
+    return batch_norm
+
+
+# Every place MegEngine binds these functions by name (modules import them directly).
+_PATCHES = (
+    ((F, _fnn, _mact), "softmax", _softmax_fp32),
+    ((_fnn, _mbn), "batch_norm", _batch_norm_follows_input),
+)
+_installed = False
+
+
+def _install_policy() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for modules, attr, wrap in _PATCHES:
+        wrapped = wrap(getattr(_fnn, attr))
+        for module in modules:
+            if hasattr(module, attr):
+                setattr(module, attr, wrapped)
+    megengine.Tensor.sum = _sum_fp32(megengine.Tensor.sum)
+
+
+def _set_autocast(enabled: bool, low: str = "float16") -> tuple:
+    """Sets MegEngine's autocast state the way megengine.amp.autocast does, returning
+    what it replaced."""
+    saved = (_amp_state._enabled, _get_amp_low_prec_dtype(), _get_amp_high_prec_dtype(),
+             None)
+    _amp_state._enabled = enabled
+    _set_amp_dtype_autocast(enabled)
+    if enabled:
+        _set_amp_high_prec_dtype("float32")
+        _set_amp_low_prec_dtype(low)
+        # megengine.amp.autocast also does this: float16 matmuls accumulate in float32.
+        configs = _config._reset_execution_config(compute_mode="float32")
+        saved = saved[:3] + (configs,)
+    return saved
+
+
+def _restore_autocast(saved: tuple) -> None:
+    enabled, low, high, configs = saved
+    _amp_state._enabled = enabled
+    _set_amp_dtype_autocast(enabled)
+    _set_amp_low_prec_dtype(low)
+    _set_amp_high_prec_dtype(high)
+    if configs is not None:
+        _config._reset_execution_config(*configs)
+
+
+class _Tape:
+    """GradManager recording on MegEngine's own GradManager."""
+
+    def __init__(self) -> None:
+        self.gm = _NativeGradManager()
+
+    def attach(self, params: Sequence[Any]) -> None:
+        self.gm.attach(params)
+
+    def record(self) -> None:
+        self.gm.record()
+
+    def release(self) -> None:
+        self.gm.release()
+
+    def backward(self, ys: Sequence[Any], dys: Sequence[Any] | None) -> None:
+        self.gm.backward(list(ys), None if dys is None else list(dys))
+
+
+def _device_kind(device: Any) -> str:
+    name = str(device).lower()
+    return "cuda" if name.startswith(("gpu", "cuda")) else "cpu"
+
+
+class MegEngineBackend:
+    """unified_amp adapter for MegEngine 1.13 (CPU; CUDA where its CUDA build runs)."""
+
+    name = "megengine"
+
+    def __init__(self) -> None:
+        _install_policy()
+
+    # -- devices and dtypes -----------------------------------------------------------
+    def cuda_available(self) -> bool:
+        return bool(megengine.is_cuda_available())
+
+    def dtype_name(self, dtype: Any) -> str | None:
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            return None
+        return "bfloat16" if is_bfloat16(dt) else dt.name
+
+    # -- autocast ---------------------------------------------------------------------
+    def check_precision(self, dtype: str | None, device: str | None) -> None:
+        cuda = self.cuda_available()
+        if device == "cuda" and not cuda:
+            raise UnsupportedPrecisionError(
+                "autocast(device='cuda') was requested, but MegEngine sees no CUDA device"
+                " (its CPU build, or no driver). Use device='cpu' or device=None."
+            )
+        # Where tensors land when no device is named: the default device, a GPU if any.
+        on_cpu = device == "cpu" or (device is None and not cuda)
+        if dtype == "bfloat16" and on_cpu:
+            raise UnsupportedPrecisionError(
+                "autocast dtype 'bfloat16' cannot run on MegEngine's CPU build: its"
+                " matmul/conv kernels have no bfloat16 implementation and fail"
+                " asynchronously. Use dtype='float16' (or None) with MegEngine on CPU."
+            )
+
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
+        saved = _set_autocast(enabled, dtype or "float16")
+        _policy_stack.append(enabled)
+        return saved
+
+    def exit_autocast(self, token: Any) -> None:
+        _policy_stack.pop()
+        _restore_autocast(token)
+
+    def is_autocast_enabled(self) -> bool:
+        return bool(_amp_state._enabled)
+
+    # -- gradients --------------------------------------------------------------------
+    def new_tape(self) -> _Tape:
+        return _Tape()
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, megengine.Tensor)
+
+    def grads(self, params: Any) -> list[Any]:
+        return [p.grad for p in params if p.grad is not None]
+
+    def drop_grads(self, params: Any) -> None:
+        for p in params:
+            p.grad = None
+
+    def clip_grad_norm(self, params: Sequence[Any], max_norm: float,
+                       norm_type: float) -> float:
+        return float(_clip_grad_norm(params, max_norm, ord=norm_type).item())
+
+    # -- loss scaling -----------------------------------------------------------------
+    def scale(self, y: Any, scale: float) -> Any:
+        return y * scale
+
+    def scaled_cotangents(self, ys: Sequence[Any], dys: Sequence[Any] | None,
+                          scale: float) -> list[Any]:
+        # Exactly megengine.amp.GradScaler.backward's, so the bits match it.
+        if dys is None:
+            return [F.full_like(y, scale) for y in ys]
+        return [dy * scale for dy in dys]
+
+    def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
+        by_device: dict[str, list[Any]] = defaultdict(list)
+        for g in grads:
+            if g.dtype != np.float32:
+                raise ValueError(
+                    f"MegEngine's fused _check_non_finite unscales float32 gradients only;"
+                    f" got a {self.dtype_name(g.dtype)} gradient of shape {tuple(g.shape)}."
+                    f" Keep parameters in float32 and let autocast cast the compute."
+                )
+            by_device[str(g.device)].append(g)
+        # One fused kernel per device; it unscales in place and returns an int32 flag.
+        flags = [_check_non_finite(same, inv_scale) for same in by_device.values()]
+        return flags
+
+    def flag_is_set(self, flag: Any) -> bool:
+        return any(bool(f.item()) for f in flag)

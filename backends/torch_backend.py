@@ -1,0 +1,246 @@
+"""The PyTorch adapter: unified_amp's primitives on torch's own kernels."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+
+from unified_amp.errors import UnsupportedPrecisionError
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_LOW = (torch.float16, torch.bfloat16)
+
+# Ops the dtype contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md).
+# Where torch's autocast already has a kernel for an (op, device) pair -- on CUDA it puts
+# softmax, log_softmax, sum, exp, log and layer_norm in float32 -- we leave it alone; where
+# it falls through (all of these on CPU, mean on CUDA), a float16 input would give a
+# float16 output, so we register a kernel on that device's Autocast key.
+_FP32_OPS = (
+    "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "mean", "mean.dim",
+    "exp", "log", "layer_norm",
+)
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+
+class _Policy(threading.local):
+    """Whether the innermost unified autocast block of this thread is enabled.
+
+    The registered kernels consult it so that plain ``torch.autocast`` (not ours) keeps
+    torch's own behaviour even after this adapter is loaded.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[bool] = []
+
+    @property
+    def on(self) -> bool:
+        return bool(self.stack) and self.stack[-1]
+
+
+_policy = _Policy()
+_library: torch.library.Library | None = None
+_registered: set[tuple[str, str]] = set()
+
+
+def _fp32_kernel(op: Any, key: str):
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if _policy.on:
+            args = tuple(
+                a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a
+                for a in args
+            )
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _install_policy(device_type: str) -> None:
+    """Registers the float32 kernels for one device type, once per process."""
+    global _library
+    key = _AUTOCAST_KEYS[device_type]
+    if _library is None:
+        _library = torch.library.Library("aten", "IMPL")
+    for name in _FP32_OPS:
+        if (name, key) in _registered:
+            continue
+        _registered.add((name, key))
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
+            continue
+        base, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        _library.impl(name, _fp32_kernel(op, key), key)
+
+
+class _Tape:
+    """GradManager recording on torch autograd, with MegEngine's semantics."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self._grad_mode: bool | None = None
+
+    def attach(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            if not p.is_leaf:
+                raise ValueError(
+                    f"GradManager can only attach leaf tensors (parameters); got a tensor of"
+                    f" shape {tuple(p.shape)} computed by {type(p.grad_fn).__name__}."
+                    f" Attach the parameter it was computed from, or .detach() it."
+                )
+            if not p.requires_grad:
+                if not p.is_floating_point():
+                    raise ValueError(
+                        f"GradManager can only attach floating-point tensors; got dtype"
+                        f" {p.dtype} for a tensor of shape {tuple(p.shape)}."
+                    )
+                # Attaching is what makes a tensor differentiable in MegEngine.
+                p.requires_grad_(True)
+        self.params.extend(params)
+
+    def record(self) -> None:
+        self._grad_mode = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)
+
+    def release(self) -> None:
+        if self._grad_mode is not None:
+            torch.set_grad_enabled(self._grad_mode)
+            self._grad_mode = None
+
+    def backward(self, ys: Sequence[torch.Tensor], dys: Sequence[Any] | None) -> None:
+        if not ys or not self.params:
+            return
+        if dys is None:
+            dys = [torch.ones_like(y) for y in ys]
+        # inputs= keeps gradients to the attached tensors, as MegEngine does.
+        torch.autograd.backward(list(ys), grad_tensors=list(dys), inputs=self.params)
+
+
+class TorchBackend:
+    """unified_amp adapter for PyTorch (CPU and CUDA)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        _install_policy("cpu")
+        self._scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
+
+    # -- devices and dtypes -----------------------------------------------------------
+    def cuda_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def dtype_name(self, dtype: Any) -> str | None:
+        if isinstance(dtype, torch.dtype):
+            return str(dtype).removeprefix("torch.")
+        return None
+
+    def _devices(self, device: str | None) -> list[str]:
+        if device is not None:
+            return [device]
+        return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+    @staticmethod
+    def _default_dtype(device: str) -> str:
+        # bfloat16 on CPU: on these avx512_bf16 CPUs it runs faster than fp32, while
+        # float16 runs slower (SPEC §2). float16 on CUDA, the classic AMP choice.
+        return "bfloat16" if device == "cpu" else "float16"
+
+    # -- autocast ---------------------------------------------------------------------
+    def check_precision(self, dtype: str | None, device: str | None) -> None:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedPrecisionError(
+                "autocast(device='cuda') was requested, but torch sees no CUDA device"
+                f" (torch {torch.__version__}). Use device='cpu' or device=None."
+            )
+        for dev in self._devices(device):
+            want = dtype or self._default_dtype(dev)
+            if dev == "cuda" and want == "bfloat16" and not torch.cuda.is_bf16_supported():
+                raise UnsupportedPrecisionError(
+                    f"autocast dtype 'bfloat16' is not supported by this CUDA device"
+                    f" ({torch.cuda.get_device_name()}); use dtype='float16'."
+                )
+
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
+        contexts = []
+        for dev in self._devices(device):
+            if enabled:
+                _install_policy(dev)
+            ctx = torch.autocast(
+                dev, dtype=_DTYPES[dtype or self._default_dtype(dev)], enabled=enabled
+            )
+            ctx.__enter__()
+            contexts.append(ctx)
+        _policy.stack.append(enabled)
+        return contexts
+
+    def exit_autocast(self, token: Any) -> None:
+        _policy.stack.pop()
+        for ctx in reversed(token):
+            ctx.__exit__(None, None, None)
+
+    def is_autocast_enabled(self) -> bool:
+        return any(torch.is_autocast_enabled(dev) for dev in self._devices(None))
+
+    # -- gradients --------------------------------------------------------------------
+    def new_tape(self) -> _Tape:
+        return _Tape()
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def grads(self, params: Any) -> list[torch.Tensor]:
+        return [p.grad for p in params if p.grad is not None]
+
+    def drop_grads(self, params: Any) -> None:
+        for p in params:
+            p.grad = None
+
+    def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float,
+                       norm_type: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
+
+    # -- loss scaling -----------------------------------------------------------------
+    def _scale_tensor(self, scale: float, device: torch.device) -> torch.Tensor:
+        # A float32 0-dim tensor, as torch.amp keeps its scale: y * tensor gives the same
+        # bits as torch.amp.GradScaler.scale(y). Cached until the scale changes.
+        cached = self._scale_cache.get(device)
+        if cached is None or cached[0] != scale:
+            cached = (scale, torch.full((), scale, dtype=torch.float32, device=device))
+            self._scale_cache[device] = cached
+        return cached[1]
+
+    def scale(self, y: torch.Tensor, scale: float) -> torch.Tensor:
+        return y * self._scale_tensor(scale, y.device)
+
+    def scaled_cotangents(self, ys: Sequence[torch.Tensor], dys: Sequence[Any] | None,
+                          scale: float) -> list[torch.Tensor]:
+        if dys is None:
+            return [torch.full_like(y, scale) for y in ys]
+        return [dy * self._scale_tensor(scale, dy.device) for dy in dys]
+
+    def unscale_and_check(self, grads: Sequence[torch.Tensor], inv_scale: float) -> Any:
+        # torch's fused kernel takes one device and one dtype per call.
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list))
+        for g in grads:
+            if g.is_sparse:
+                g = g._values()
+            groups[g.device][g.dtype].append(g)
+        found = []
+        with torch.no_grad():
+            for device, by_dtype in groups.items():
+                found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+                for same in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
+                found.append(found_inf)
+        if len(found) == 1:
+            return found[0]
+        return sum(f.to(found[0].device, non_blocking=True) for f in found)
+
+    def flag_is_set(self, flag: torch.Tensor) -> bool:
+        return bool(flag.item())

@@ -1,0 +1,44 @@
+"""unified_amp: one automatic-mixed-precision API for PyTorch and MegEngine.
+
+    import unified_amp as amp
+
+    gm = amp.GradManager(model.parameters())
+    scaler = amp.GradScaler()
+    with amp.autocast(dtype="float16"):
+        with gm:
+            loss = loss_fn(model(x), y)
+            scaler.backward(gm, loss)       # scaled backward, unscale, update
+    optimizer.step(); gm.zero_grad()
+
+The backend is chosen by ``amp.set_backend()``, else ``UNIFIED_AMP_BACKEND``, else the
+first installed of torch, megengine. Importing this package imports no framework.
+"""
+
+from ._registry import available_backends, get_backend, register_backend, set_backend
+from .autocast import autocast, is_autocast_enabled
+from .errors import (
+    BackendUnavailableError,
+    UnifiedAmpError,
+    UnknownBackendError,
+    UnsupportedPrecisionError,
+)
+from .grad import GradManager, clip_grad_norm
+from .scaler import GradScaler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "autocast",
+    "is_autocast_enabled",
+    "GradScaler",
+    "GradManager",
+    "clip_grad_norm",
+    "set_backend",
+    "get_backend",
+    "available_backends",
+    "register_backend",
+    "UnifiedAmpError",
+    "UnknownBackendError",
+    "BackendUnavailableError",
+    "UnsupportedPrecisionError",
+]

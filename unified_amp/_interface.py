@@ -1,0 +1,94 @@
+"""The small interface every framework adapter implements.
+
+The core (autocast, GradManager, GradScaler) is written once against these primitives;
+an adapter in ``backends/`` maps each one onto its framework's own kernels. Tensors,
+parameters and optimizers pass through the core as opaque objects: the core reads
+``optimizer.param_groups`` and ``gm.attached_tensors()`` (both frameworks spell them the
+same way) and leaves everything numeric to the adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+# Names of the floating dtypes the core talks about. Adapters translate their own dtype
+# objects to and from these strings.
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+@runtime_checkable
+class Tape(Protocol):
+    """Records a forward pass for one GradManager and turns it into gradients."""
+
+    def attach(self, params: Sequence[Any]) -> None:
+        """Adds parameters whose gradients ``backward`` must produce."""
+
+    def record(self) -> None:
+        """Starts recording operations (entered by ``with gm:``)."""
+
+    def release(self) -> None:
+        """Stops recording and frees what was kept for the backward pass."""
+
+    def backward(self, ys: Sequence[Any], dys: Sequence[Any] | None) -> None:
+        """Accumulates d(sum dy*y)/d(param) into ``param.grad`` of every attached parameter."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a framework adapter provides. One instance per process, made lazily."""
+
+    name: str
+
+    # -- devices and dtypes -----------------------------------------------------------
+    def cuda_available(self) -> bool:
+        """Whether this framework sees a CUDA device."""
+
+    def dtype_name(self, dtype: Any) -> str | None:
+        """'float16', 'bfloat16', 'float32', ... for one of the framework's dtype objects,
+        or None if ``dtype`` is not one."""
+
+    # -- autocast ---------------------------------------------------------------------
+    def check_precision(self, dtype: str | None, device: str | None) -> None:
+        """Raises UnsupportedPrecisionError if ``dtype`` cannot be computed on ``device``
+        (None: every device autocast would touch)."""
+
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
+        """Switches autocast on or off; returns a token that restores the outer state."""
+
+    def exit_autocast(self, token: Any) -> None:
+        """Restores the state saved in ``token``."""
+
+    def is_autocast_enabled(self) -> bool:
+        """Whether autocast is on for the calling thread, on any device."""
+
+    # -- gradients --------------------------------------------------------------------
+    def new_tape(self) -> Tape:
+        """A fresh recorder for an ``amp.GradManager``."""
+
+    def is_tensor(self, obj: Any) -> bool:
+        """Whether ``obj`` is one of the framework's tensors."""
+
+    def grads(self, params: Iterable[Any]) -> list[Any]:
+        """The gradients of ``params`` that are not None, in order."""
+
+    def drop_grads(self, params: Iterable[Any]) -> None:
+        """Sets ``param.grad`` to None, so that any optimizer step leaves the param alone."""
+
+    def clip_grad_norm(self, params: Sequence[Any], max_norm: float, norm_type: float) -> float:
+        """The framework's own clip-by-total-norm, in place; returns the norm before clipping."""
+
+    # -- loss scaling -----------------------------------------------------------------
+    def scale(self, y: Any, scale: float) -> Any:
+        """``y`` times the loss scale, as the framework's own scaler would compute it."""
+
+    def scaled_cotangents(
+        self, ys: Sequence[Any], dys: Sequence[Any] | None, scale: float
+    ) -> list[Any]:
+        """The ``dy`` to feed a backward pass so that gradients come out scaled."""
+
+    def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
+        """Fused kernel: multiplies every gradient by ``inv_scale`` in place and returns a
+        device-side flag that is set if any gradient holds an inf or NaN. No host sync."""
+
+    def flag_is_set(self, flag: Any) -> bool:
+        """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""

@@ -1,0 +1,170 @@
+"""Which framework adapter is active: chosen lazily, cached, never imported early.
+
+Order of precedence: ``set_backend()`` > ``UNIFIED_AMP_BACKEND`` > the first installed
+of torch, megengine. Adapters are found through the ``unified_amp.backends`` entry-point
+group (so a third party can add one without touching the core), with the two built-in
+ones also listed here so a source checkout works without being installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+from .errors import BackendUnavailableError, UnknownBackendError
+
+ENV_VAR = "UNIFIED_AMP_BACKEND"
+
+# name -> (adapter "module:attr", framework module that must be importable, pip extra)
+_BUILTIN: dict[str, tuple[str, str, str]] = {
+    "torch": ("backends.torch_backend:TorchBackend", "torch", "torch"),
+    "megengine": ("backends.megengine_backend:MegEngineBackend", "megengine", "megengine"),
+}
+_AUTO_ORDER = ("torch", "megengine")
+
+_lock = threading.Lock()
+_chosen: str | None = None  # set by set_backend()
+_active: Any = None  # the adapter instance in use
+_instances: dict[str, Any] = {}
+_factories: dict[str, Callable[[], Any]] = {}  # register_backend()
+
+
+def _entry_points() -> dict[str, str]:
+    """Adapters registered by installed packages, name -> "module:attr"."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group="unified_amp.backends")}
+
+
+def _known() -> dict[str, Any]:
+    known: dict[str, Any] = {name: target for name, (target, _, _) in _BUILTIN.items()}
+    known.update(_entry_points())
+    known.update(_factories)
+    return known
+
+
+def register_backend(name: str, factory: Callable[[], Any]) -> None:
+    """Adds a backend without packaging it: ``factory()`` returns the adapter.
+
+    Installed packages can instead declare an entry point in the
+    ``unified_amp.backends`` group (``name = "module:Class"``).
+    """
+    if not isinstance(name, str) or not name.strip() or not callable(factory):
+        raise TypeError("register_backend(name, factory) takes a non-empty str and a callable.")
+    with _lock:
+        _factories[name.strip().lower()] = factory
+        _instances.pop(name.strip().lower(), None)
+
+
+def _framework_installed(name: str) -> bool:
+    module = _BUILTIN[name][1] if name in _BUILTIN else None
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def _unavailable(name: str) -> BackendUnavailableError:
+    framework, extra = _BUILTIN[name][1], _BUILTIN[name][2]
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    hint = f"Install it with: pip install 'unified_amp[{extra}]'."
+    if name == "megengine":
+        hint += (
+            f" MegEngine 1.13.0, its last release, has wheels for CPython 3.8-3.10 only"
+            f" (this is CPython {py}); use a separate 3.10 environment, as `make test` does."
+        )
+    return BackendUnavailableError(
+        f"The {name!r} backend needs the {framework!r} package, which is not installed in"
+        f" this interpreter ({sys.executable}). {hint}"
+    )
+
+
+def available_backends() -> list[str]:
+    """Names of the backends whose framework is installed here, in auto-selection order.
+
+    Finding them imports no framework.
+    """
+    known = _known()
+    ordered = [n for n in _AUTO_ORDER if n in known] + sorted(set(known) - set(_AUTO_ORDER))
+    return [n for n in ordered if _framework_installed(n)]
+
+
+def _validate(name: object, source: str) -> str:
+    known = _known()
+    if not isinstance(name, str) or name.strip().lower() not in known:
+        raise UnknownBackendError(name, sorted(known), source)
+    name = name.strip().lower()
+    if not _framework_installed(name):
+        raise _unavailable(name)
+    return name
+
+
+def set_backend(name: str) -> None:
+    """Selects the backend by name ("torch" or "megengine"); overrides the env var.
+
+    Raises:
+        UnknownBackendError: ``name`` is not a known backend.
+        BackendUnavailableError: its framework is not installed here.
+    """
+    global _chosen, _active
+    name = _validate(name, "set_backend()")
+    with _lock:
+        _chosen = name
+        _active = None
+
+
+def _resolve_name() -> str:
+    if _chosen is not None:
+        return _chosen
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        return _validate(env, f"the {ENV_VAR} environment variable")
+    for name in available_backends():
+        return name
+    raise BackendUnavailableError(
+        "No unified_amp backend is installed: install a framework with"
+        " pip install 'unified_amp[torch]' (CPython >= 3.10) or"
+        " pip install 'unified_amp[megengine]' (CPython 3.8-3.10)."
+    )
+
+
+def _load(name: str) -> Any:
+    target = _known()[name]
+    if callable(target):
+        return target()
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if name in _BUILTIN and not _framework_installed(name):
+            raise _unavailable(name) from exc
+        raise
+    return getattr(module, attr)()
+
+
+def get_backend() -> Any:
+    """The active adapter (``.name`` is "torch" or "megengine"), made on first use."""
+    global _active
+    active = _active
+    if active is not None:
+        return active
+    with _lock:
+        if _active is None:
+            name = _resolve_name()
+            if name not in _instances:
+                _instances[name] = _load(name)
+            _active = _instances[name]
+        return _active
+
+
+def _reset_for_tests() -> None:
+    """Forgets the choice, the cached adapter and registered factories (adapter instances
+    of the built-in backends are kept: their frameworks stay loaded anyway)."""
+    global _chosen, _active
+    with _lock:
+        _chosen = None
+        _active = None
+        for name in list(_factories):
+            _factories.pop(name)
+            _instances.pop(name, None)

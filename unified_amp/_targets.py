@@ -1,0 +1,53 @@
+"""Turning "a GradManager, an optimizer, or an iterable of parameters" into parameters.
+
+Both frameworks spell these the same way (``gm.attached_tensors()``,
+``optimizer.param_groups[i]["params"]``), so this is written once here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_optimizer(obj: Any) -> bool:
+    return hasattr(obj, "param_groups") and hasattr(obj, "step")
+
+
+def params_of(target: Any, backend: Any, what: str) -> list[Any]:
+    """The parameters behind ``target``, each once, in order.
+
+    Args:
+        what: the calling function's name, for the error message.
+
+    Raises:
+        TypeError: ``target`` is none of the three accepted kinds.
+    """
+    if hasattr(target, "attached_tensors"):  # amp.GradManager or MegEngine's own
+        params = list(target.attached_tensors())
+    elif is_optimizer(target):
+        params = [p for group in target.param_groups for p in group["params"]]
+    elif backend.is_tensor(target):
+        params = [target]
+    else:
+        try:
+            params = list(target)
+        except TypeError:
+            params = None
+        if params is None or not all(backend.is_tensor(p) for p in params):
+            raise TypeError(
+                f"{what} expects a GradManager, an optimizer, or an iterable of"
+                f" {backend.name} parameters; got {type(target).__name__}"
+                f" {_short(target)}."
+            )
+    seen: set[int] = set()
+    unique = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append(p)
+    return unique
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else text[:57] + "..."

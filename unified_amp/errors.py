@@ -1,0 +1,44 @@
+"""The errors unified_amp raises on bad input.
+
+Each one subclasses the built-in type a user would already catch (``ValueError``,
+``ImportError``, ``RuntimeError``), so code written for torch.amp or megengine.amp keeps
+working, and names the bad value, what was expected and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "UnifiedAmpError",
+    "UnknownBackendError",
+    "BackendUnavailableError",
+    "UnsupportedPrecisionError",
+]
+
+
+class UnifiedAmpError(Exception):
+    """Base class of every error that unified_amp defines."""
+
+
+class UnknownBackendError(UnifiedAmpError, ValueError):
+    """A backend name that no installed adapter answers to."""
+
+    def __init__(self, name: object, valid: list[str], source: str = "set_backend()"):
+        self.name = name
+        self.valid = list(valid)
+        super().__init__(
+            f"Unknown unified_amp backend {name!r} (from {source}). "
+            f"Valid names: {', '.join(repr(v) for v in self.valid)}. "
+            f"Pick one with amp.set_backend(name) or UNIFIED_AMP_BACKEND=name."
+        )
+
+
+class BackendUnavailableError(UnifiedAmpError, ImportError):
+    """A known backend whose framework is not installed in this interpreter."""
+
+
+class UnsupportedPrecisionError(UnifiedAmpError, RuntimeError):
+    """An autocast dtype that the framework cannot compute on the requested device.
+
+    Raised when the ``autocast`` block is entered, before any kernel runs, so the failure
+    never surfaces later as an asynchronous error or at interpreter exit.
+    """

@@ -1,0 +1,145 @@
+"""``GradManager`` and ``clip_grad_norm``: gradient recording that reads the same on both
+frameworks, so that one training step serves both."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._registry import get_backend
+from ._targets import params_of
+
+__all__ = ["GradManager", "clip_grad_norm"]
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+class GradManager:
+    """Records a forward pass and accumulates gradients into attached parameters.
+
+    The semantics are MegEngine's, on both backends::
+
+        gm = amp.GradManager(model.parameters())
+        with gm:                      # records the forward pass
+            loss = model(x).mean()
+            gm.backward(loss)         # adds d loss / d p into p.grad; ends the recording
+        gm.zero_grad()                # gradients accumulate until this
+
+    Only attached parameters receive gradients.
+    """
+
+    def __init__(self, params: Any = None) -> None:
+        self._backend = get_backend()
+        self._tape = self._backend.new_tape()
+        self._params: list[Any] = []
+        self._recording = False
+        if params is not None:
+            self.attach(params)
+
+    def attach(self, params: Any) -> "GradManager":
+        """Adds a parameter or an iterable of parameters; returns self."""
+        new = params_of(params, self._backend, "GradManager.attach()")
+        known = {id(p) for p in self._params}
+        new = [p for p in new if id(p) not in known]
+        self._params.extend(new)
+        self._tape.attach(new)
+        return self
+
+    def attached_tensors(self) -> list[Any]:
+        """The attached parameters, in the order they were attached."""
+        return list(self._params)
+
+    def record(self) -> None:
+        """Starts recording (what ``with gm:`` does on entry)."""
+        if self._recording:
+            raise RuntimeError(
+                "GradManager is already recording: a `with gm:` block was entered twice."
+                " Finish the first block (or call gm.backward()) before starting another."
+            )
+        self._tape.record()
+        self._recording = True
+
+    def release(self) -> None:
+        """Stops recording and frees the recorded graph (what leaving ``with gm:`` does)."""
+        self._recording = False
+        self._tape.release()
+
+    def __enter__(self) -> "GradManager":
+        self.record()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def backward(self, y: Any = None, dy: Any = None) -> None:
+        """Accumulates gradients of ``y`` (a tensor or list of tensors) into ``p.grad``.
+
+        Args:
+            y: the output(s) to differentiate, usually the loss.
+            dy: cotangent(s) matching ``y``; defaults to ones, so a scalar loss gives
+                plain gradients.
+
+        Ends the recording, as MegEngine does: one backward per ``with gm:`` block.
+        """
+        if not self._recording:
+            raise RuntimeError(
+                "GradManager.backward() was called with no recorded computation: run the"
+                " forward pass and call backward() inside `with gm:` (a block records for"
+                " one backward() call)."
+            )
+        ys = _as_list(y)
+        dys = None if dy is None else _as_list(dy)
+        if dys is not None and len(dys) != len(ys):
+            raise ValueError(
+                f"GradManager.backward() got {len(ys)} output(s) y but {len(dys)}"
+                f" cotangent(s) dy; pass one dy per y, or dy=None for ones."
+            )
+        try:
+            self._tape.backward(ys, dys)
+        finally:
+            self.release()
+
+    def zero_grad(self) -> None:
+        """Drops the accumulated gradients of every attached parameter (sets them to None)."""
+        self._backend.drop_grads(self._params)
+
+
+def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scales gradients in place so that their total norm is at most ``max_norm``.
+
+    Args:
+        target: a GradManager, an optimizer, or an iterable of parameters.
+        max_norm: the largest allowed total norm, a positive finite number.
+        norm_type: the p of the p-norm (2.0, or ``float("inf")``).
+
+    Returns:
+        The total norm of the gradients before clipping, as a Python float (this reads
+        one number back from the device).
+
+    Uses the framework's own clipping (``torch.nn.utils.clip_grad_norm_``,
+    ``megengine.optimizer.clip_grad_norm``), so results match theirs bit for bit. In
+    manual mode call it after ``scaler.unscale(...)``, so it sees true-scale gradients.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+        math.isfinite(max_norm) and max_norm > 0
+    ):
+        raise ValueError(
+            f"clip_grad_norm max_norm must be a positive finite number; got {max_norm!r}."
+        )
+    if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not (
+        norm_type > 0
+    ):
+        raise ValueError(
+            f"clip_grad_norm norm_type must be a positive number or float('inf');"
+            f" got {norm_type!r}."
+        )
+    backend = get_backend()
+    params = params_of(target, backend, "clip_grad_norm()")
+    return backend.clip_grad_norm(params, float(max_norm), float(norm_type))
+
