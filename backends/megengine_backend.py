@@ -105,17 +105,18 @@ def _install_policy() -> None:
 def _set_autocast(enabled: bool, low: str = "float16") -> tuple:
     """Sets MegEngine's autocast state the way megengine.amp.autocast does, returning
     what it replaced."""
-    saved = (_amp_state._enabled, _get_amp_low_prec_dtype(), _get_amp_high_prec_dtype(),
-             None)
+    saved = (_amp_state._enabled, _get_amp_low_prec_dtype(), _get_amp_high_prec_dtype())
     _amp_state._enabled = enabled
     _set_amp_dtype_autocast(enabled)
     if enabled:
         _set_amp_high_prec_dtype("float32")
         _set_amp_low_prec_dtype(low)
-        # megengine.amp.autocast also does this: float16 matmuls accumulate in float32.
-        configs = _config._reset_execution_config(compute_mode="float32")
-        saved = saved[:3] + (configs,)
-    return saved
+    # megengine.amp.autocast sets compute_mode="float32" (float16 matmuls accumulate in
+    # float32). MegEngine asserts -- asynchronously -- if a float32 matmul runs in that
+    # mode, so a disabled block nested in an enabled one must put "default" back.
+    configs = _config._reset_execution_config(
+        compute_mode="float32" if enabled else "default")
+    return saved + (configs,)
 
 
 def _restore_autocast(saved: tuple) -> None:
@@ -124,8 +125,7 @@ def _restore_autocast(saved: tuple) -> None:
     _set_amp_dtype_autocast(enabled)
     _set_amp_low_prec_dtype(low)
     _set_amp_high_prec_dtype(high)
-    if configs is not None:
-        _config._reset_execution_config(*configs)
+    _config._reset_execution_config(*configs)
 
 
 class _Tape:

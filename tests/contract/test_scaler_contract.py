@@ -1,0 +1,237 @@
+"""GradScaler on the real backends: trajectories, skipping, accumulation, clipping,
+several optimizers, checkpoints and the disabled pass-through."""
+
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unified_amp as amp
+
+from ..reference import trajectory
+from .loops import STEPS, Problem, bits, megengine_style_step, state_bits, torch_style_step
+
+SCRIPTS = {
+    "overflow-first": [True, False, False, False, False, False],
+    "alternating": [True, False, True, False, False, False, False],
+    "burst-then-growth": [False, True, True, False, False, False, False, False],
+}
+
+
+@pytest.mark.parametrize("style", sorted(STEPS))
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_scripted_overflows_follow_the_reference_model(kit, device, script, style):
+    p = Problem(kit, device)
+    gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.05)
+    scaler = amp.GradScaler(init_scale=2.0**12, growth_interval=3)
+    got = []
+    for overflow in SCRIPTS[script]:
+        STEPS[style](scaler, gm, opt, p, overflow)
+        got.append((scaler.get_scale(), scaler.stats()["growth_tracker"]))
+    assert got == trajectory(2.0**12, 2.0, 0.5, 3, SCRIPTS[script])
+    stats = scaler.stats()
+    assert (stats["steps"], stats["skipped_steps"]) == (len(got), sum(SCRIPTS[script]))
+
+
+@settings(max_examples=25)
+@given(overflows=st.lists(st.booleans(), min_size=1, max_size=12),
+       init_scale=st.sampled_from([1.0, 3.0, 2.0**7, 1000.0, 2.0**16]),
+       growth_factor=st.floats(1.01, 4.0), backoff_factor=st.floats(0.05, 0.95),
+       growth_interval=st.integers(0, 4))
+def test_property_random_sequences_match_the_reference(kit, overflows, init_scale,
+                                                       growth_factor, backoff_factor,
+                                                       growth_interval):
+    w = kit.param(np.array([0.5, -1.0], np.float32), "cpu")
+    gm = amp.GradManager([w])
+    scaler = amp.GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)
+    got = []
+    for overflow in overflows:
+        c = kit.tensor(np.array([np.inf if overflow else 1.0, 2.0], np.float32), "cpu")
+        with gm:
+            scaler.backward(gm, kit.total(kit.mul(w, c)))
+        if not overflow:  # true-scale gradients after the automatic unscale
+            np.testing.assert_allclose(kit.grad(w), [1.0, 2.0], rtol=1e-6)
+        gm.zero_grad()
+        got.append((scaler.get_scale(), scaler.stats()["growth_tracker"]))
+    assert got == trajectory(init_scale, growth_factor, backoff_factor, growth_interval,
+                             overflows)
+
+
+@pytest.mark.parametrize("style", sorted(STEPS))
+@pytest.mark.parametrize("optimizer", ["sgd-momentum-wd", "adam"])
+def test_skipped_step_leaves_params_and_optimizer_state_bit_identical(kit, device, style,
+                                                                      optimizer):
+    p = Problem(kit, device)
+    gm = amp.GradManager(p.params)
+    opt = kit.sgd(p.params, 0.05, momentum=0.9, weight_decay=1e-3) \
+        if optimizer == "sgd-momentum-wd" else kit.adam(p.params, 1e-2)
+    scaler = amp.GradScaler()
+    for _ in range(2):  # optimizer state exists before the overflow
+        STEPS[style](scaler, gm, opt, p)
+    weights, state = bits(p.weights()), state_bits(kit, opt)
+    assert state, "the optimizer should hold state by now"
+    STEPS[style](scaler, gm, opt, p, overflow=True)
+    assert bits(p.weights()) == weights
+    assert state_bits(kit, opt) == state
+    assert all(kit.grad(q) is None for q in p.params)  # dropped, not left as inf
+    assert scaler.stats()["last_step_skipped"] and scaler.get_scale() == 2.0**15
+    STEPS[style](scaler, gm, opt, p)  # and training resumes
+    assert bits(p.weights()) != weights
+
+
+def test_accumulating_micro_batches_matches_one_big_batch(kit, device):
+    """Manual mode: N scaled backward passes, one unscale, one step."""
+    n_micro, lr = 4, 0.1
+    results = []
+    for split in (False, True):
+        p = Problem(kit, device, n=16)
+        gm, opt = amp.GradManager(p.params), kit.sgd(p.params, lr)
+        scaler = amp.GradScaler()
+        with amp.autocast(dtype="float16", device=device):
+            if split:
+                for i in range(n_micro):
+                    with gm:
+                        rows = slice(4 * i, 4 * i + 4)
+                        # each micro-batch's mean loss, divided by N: the mean over 16
+                        loss = p.loss(rows=rows) * (1.0 / n_micro)
+                        gm.backward(scaler.scale(loss))
+            else:
+                with gm:
+                    gm.backward(scaler.scale(p.loss()))
+        scaler.unscale(gm)
+        grads = [kit.grad(q) for q in p.params]
+        scaler.step(opt)
+        scaler.update()
+        results.append((grads, p.weights()))
+    (g_big, w_big), (g_acc, w_acc) = results
+    for a, b in zip(g_big, g_acc):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)
+    for a, b in zip(w_big, w_acc):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-4)
+
+
+def test_clipping_after_unscale_sees_true_scale_gradients(kit, device):
+    ref = Problem(kit, device)
+    gm = amp.GradManager(ref.params)
+    with gm:  # float32 reference gradients, no scaling
+        gm.backward(ref.loss())
+    true_norm = float(np.sqrt(sum((kit.grad(q) ** 2).sum() for q in ref.params)))
+
+    p = Problem(kit, device)
+    gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.1)
+    scaler = amp.GradScaler()
+    with amp.autocast(dtype="float16", device=device):
+        with gm:
+            gm.backward(scaler.scale(p.loss()))
+    scaler.unscale(gm)
+    norm = amp.clip_grad_norm(gm, max_norm=true_norm / 2)
+    assert abs(norm - true_norm) / true_norm < 2e-2  # not 65536 times larger
+    clipped = float(np.sqrt(sum((kit.grad(q) ** 2).sum() for q in p.params)))
+    assert abs(clipped - true_norm / 2) / true_norm < 1e-3
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_gan_step_two_optimizers_one_scaler(kit, device):
+    d, g = Problem(kit, device, seed=1), Problem(kit, device, seed=2)
+    gm_d, gm_g = amp.GradManager(d.params), amp.GradManager(g.params)
+    opt_d, opt_g = kit.adam(d.params, 1e-2), kit.adam(g.params, 1e-2)
+    scaler = amp.GradScaler(init_scale=2.0**10)
+    for overflow_d in (False, True, False):
+        d_before, g_before = bits(d.weights()), bits(g.weights())
+        with amp.autocast(dtype="float16", device=device):
+            with gm_d:
+                gm_d.backward(scaler.scale(d.loss(overflow=overflow_d)))
+        scaler.step(opt_d)
+        with amp.autocast(dtype="float16", device=device):
+            with gm_g:
+                gm_g.backward(scaler.scale(g.loss()))
+        scaler.step(opt_g)
+        scaler.update()
+        gm_d.zero_grad()
+        gm_g.zero_grad()
+        assert (bits(d.weights()) == d_before) == overflow_d
+        assert bits(g.weights()) != g_before  # G's clean step is not held back
+    assert scaler.get_scale() == 2.0**9
+    assert scaler.stats()["steps"] == 3 and scaler.stats()["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("style", sorted(STEPS))
+def test_state_dict_round_trip_mid_training_continues_bit_identically(kit, device, style):
+    overflows = [False, True, False, False, True, False, False, False]
+    runs = []
+    for restart in (False, True):
+        p = Problem(kit, device)
+        gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.05, momentum=0.9)
+        scaler = amp.GradScaler(init_scale=2.0**8, growth_interval=2)
+        history = []
+        for i, overflow in enumerate(overflows):
+            if restart and i == 4:  # checkpoint through plain Python (pickle) and resume
+                scaler = amp.GradScaler()
+                scaler.load_state_dict(pickle.loads(pickle.dumps(history[-1][1])))
+            STEPS[style](scaler, gm, opt, p, overflow)
+            history.append((bits(p.weights()), scaler.state_dict()))
+        runs.append(history)
+    assert runs[0] == runs[1]
+
+
+def test_disabled_scaler_gives_exactly_the_fp32_loop(kit, device):
+    def train(use_scaler):
+        p = Problem(kit, device)
+        gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.1, momentum=0.9)
+        scaler = amp.GradScaler(enabled=False)
+        for _ in range(3):
+            with amp.autocast(enabled=False):
+                with gm:
+                    loss = p.loss()
+                    if use_scaler:
+                        scaler.backward(gm, loss)
+                    else:
+                        gm.backward(loss)
+            if use_scaler:
+                scaler.unscale(gm)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            gm.zero_grad()
+        return bits(p.weights())
+
+    assert train(True) == train(False)
+
+
+def test_misuse_errors_on_real_tensors(kit, device):
+    p = Problem(kit, device)
+    gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.1)
+    scaler = amp.GradScaler()
+    with gm:
+        gm.backward(scaler.scale(p.loss()))
+    scaler.unscale(opt)
+    with pytest.raises(RuntimeError, match="already been called on this optimizer"):
+        scaler.unscale(opt)
+    with pytest.raises(RuntimeError, match="already been called on these gradients"):
+        scaler.unscale(gm)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale(opt)
+    scaler.update()
+    with pytest.raises(RuntimeError, match="no gradients were unscaled"):
+        scaler.update()
+
+
+def test_scaled_loss_and_fp16_gradients(kit, device):
+    w = kit.param(np.array([1.5], np.float32), device)
+    scaler = amp.GradScaler(init_scale=8.0)
+    scaled = scaler.scale([kit.mul(w, kit.tensor(np.array([2.0], np.float32), device))])
+    assert isinstance(scaled, list) and kit.numpy(scaled[0]).tolist() == [24.0]
+    # a float16 model (model.half()) has float16 gradients, which cannot be unscaled
+    # without losing what the scaling protected
+    h = kit.param(np.array([1.5], np.float32), device, "float16")
+    gm = amp.GradManager([h])
+    with gm:
+        gm.backward(scaler.scale(kit.total(kit.mul(h, kit.tensor([2.0], device, "float16")))))
+    assert kit.dtype(h.grad) == "float16"
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        scaler.unscale(gm)

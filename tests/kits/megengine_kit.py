@@ -1,0 +1,156 @@
+import contextlib
+
+import numpy as np
+
+import megengine as mge
+import megengine.functional as F
+import megengine.module as M
+import megengine.optimizer as O
+from megengine.core.tensor.dtype import bfloat16
+
+# Ops only combine tensors on one comp node, and MegEngine's own code (optimizers,
+# modules) makes tensors on the default device; so tests run with the default device set
+# to the test's device (Kit.on_device), as a MegEngine user targeting it would.
+_DEV = {"cpu": "cpux", "cuda": "gpux"}
+
+
+@contextlib.contextmanager
+def _on(dev):
+    saved = mge.get_default_device()
+    mge.set_default_device(_DEV[dev])
+    try:
+        yield
+    finally:
+        mge.set_default_device(saved)
+
+
+class Kit:
+    name = "megengine"
+
+    def has_cuda(self):
+        return bool(mge.is_cuda_available())
+
+    def on_device(self, dev):
+        return _on(dev)
+
+    def tensor(self, a, dev, dtype="float32"):
+        a = np.asarray(a)
+        if dtype == "bfloat16":
+            return mge.tensor(a.astype(np.float32), device=_DEV[dev]).astype(bfloat16)
+        return mge.tensor(a.astype(dtype), device=_DEV[dev])
+
+    def param(self, a, dev, dtype="float32"):
+        return mge.Parameter(np.asarray(a, dtype=dtype), device=_DEV[dev])
+
+    def numpy(self, t):
+        return t.astype("float32").numpy() if self.dtype(t) in ("float16", "bfloat16") \
+            else t.numpy()
+
+    def dtype(self, t):
+        return "bfloat16" if "bfloat16" in str(t.dtype) else np.dtype(t.dtype).name
+
+    def set_grad(self, p, a):
+        p.grad = mge.tensor(np.asarray(a, dtype=np.float32), device=p.device)
+
+    def grad(self, p):
+        return None if p.grad is None else p.grad.numpy()
+
+    def assign(self, p, a):
+        p._reset(mge.tensor(np.asarray(a, dtype=np.float32), device=p.device))
+
+    def synchronize(self):
+        mge._full_sync()  # raises MegEngine's AsyncError if any kernel failed
+
+    def dtype_object(self, name):
+        return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+    # -- optimizers ------------------------------------------------------------------
+    def sgd(self, params, lr, momentum=0.0, weight_decay=0.0):
+        return O.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    def adam(self, params, lr):
+        return O.Adam(params, lr=lr)
+
+    def opt_state(self, opt):
+        out = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, value in sorted(opt._state.get(p, {}).items()):
+                    out.append((key, value.numpy() if isinstance(value, mge.Tensor) else value))
+        return out
+
+    def opt_step(self, opt):
+        opt.step()
+
+    # -- model pieces ----------------------------------------------------------------
+    def mlp(self, sizes, dev, seed):
+        rng = np.random.RandomState(seed)
+        params = []
+        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+            params.append(self.param(rng.randn(fan_out, fan_in) / np.sqrt(fan_in), dev))
+            params.append(self.param(np.zeros(fan_out), dev))
+
+        def forward(x):
+            for i in range(0, len(params), 2):
+                x = F.nn.linear(x, params[i], params[i + 1])
+                if i + 2 < len(params):
+                    x = F.relu(x)
+            return x
+
+        return params, forward
+
+    def cross_entropy(self, logits, labels):
+        return F.nn.cross_entropy(logits, labels)
+
+    def mse(self, pred, target):
+        return F.nn.square_loss(pred, target)
+
+    def mul(self, a, b):
+        return a * b
+
+    def total(self, t):
+        return t.sum()
+
+    # -- the dtype table ---------------------------------------------------------------
+    def run_op(self, row, inp, dev, low, kind):
+        def x_(a):
+            return self.tensor(a, dev, low if kind == "low" else "float32")
+
+        def w_(a):
+            return self.tensor(a, dev, "float32")
+
+        c4 = lambda a: w_(np.asarray(a).reshape(1, -1, 1, 1))  # MegEngine's (1, C, 1, 1)
+        ops = {
+            "matmul": lambda: F.matmul(x_(inp["x"]), w_(inp["w"]), transpose_b=True),
+            "linear": lambda: F.nn.linear(x_(inp["x"]), w_(inp["w"]), w_(inp["b"])),
+            "conv2d": lambda: F.conv2d(x_(inp["img"]), w_(inp["cw"]), c4(inp["cb"])),
+            "batched matmul": lambda: F.matmul(x_(inp["a3"]), w_(inp["b3"])),
+            "softmax": lambda: F.softmax(x_(inp["x"]), axis=-1),
+            "log-softmax": lambda: F.logsoftmax(x_(inp["x"]), axis=-1),
+            "cross-entropy": lambda: F.nn.cross_entropy(
+                x_(inp["x"]), self.tensor(inp["labels"], dev, "int32")),
+            "MSE": lambda: F.nn.square_loss(x_(inp["x"]), w_(inp["x"])),
+            "sum": lambda: x_(inp["x"]).sum(),
+            "mean": lambda: x_(inp["x"]).mean(),
+            "exp": lambda: F.exp(x_(inp["x"])),
+            "log": lambda: F.log(x_(inp["pos"])),
+            "batch norm": lambda: F.nn.batch_norm(
+                x_(inp["img"]), c4(inp["bn_mean"]), c4(inp["bn_var"]), c4(inp["bn_w"]),
+                c4(inp["bn_b"]), training=True),
+            "layer norm": lambda: F.nn.layer_norm(x_(inp["x"]), (8,), True, w_(inp["ln_w"]),
+                                                  w_(inp["ln_b"])),
+            "add low+float32": lambda: self.tensor(inp["x"], dev, low) + w_(inp["x"]),
+        }
+        return ops[row]()
+
+    def run_module(self, row, inp, dev, low):
+        x = self.tensor(inp["x"], dev, low)
+        img = self.tensor(inp["img"], dev, low)
+        with _on(dev):
+            if row == "softmax":
+                return M.Softmax(axis=-1)(x)
+            if row == "batch norm":
+                return M.BatchNorm2d(3)(img)
+            if row == "layer norm":
+                return M.LayerNorm(8)(x)
+        raise KeyError(row)

@@ -1,0 +1,139 @@
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+       "int32": torch.int64}
+
+
+class Kit:
+    name = "torch"
+
+    def has_cuda(self):
+        return torch.cuda.is_available()
+
+    def on_device(self, dev):
+        return contextlib.nullcontext()  # torch tensors carry their device
+
+    def tensor(self, a, dev, dtype="float32"):
+        return torch.tensor(np.asarray(a), device=dev).to(_DT[dtype])
+
+    def param(self, a, dev, dtype="float32"):
+        return torch.nn.Parameter(self.tensor(np.asarray(a, dtype=np.float32), dev, dtype))
+
+    def numpy(self, t):
+        t = t.detach()
+        return (t.float() if t.is_floating_point() else t).cpu().numpy().copy()
+
+    def dtype(self, t):
+        return str(t.dtype).removeprefix("torch.")
+
+    def set_grad(self, p, a):
+        p.grad = self.tensor(np.asarray(a, dtype=np.float32), p.device)
+
+    def grad(self, p):
+        return None if p.grad is None else self.numpy(p.grad)
+
+    def assign(self, p, a):
+        with torch.no_grad():
+            p.copy_(self.tensor(np.asarray(a, dtype=np.float32), p.device))
+
+    def synchronize(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def dtype_object(self, name):
+        return _DT[name]
+
+    # -- optimizers ------------------------------------------------------------------
+    def sgd(self, params, lr, momentum=0.0, weight_decay=0.0):
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    def adam(self, params, lr):
+        return torch.optim.Adam(params, lr=lr)
+
+    def opt_state(self, opt):
+        out = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, value in sorted(opt.state.get(p, {}).items()):
+                    out.append((key, self.numpy(value) if torch.is_tensor(value) else value))
+        return out
+
+    def opt_step(self, opt):
+        opt.step()
+
+    # -- model pieces ----------------------------------------------------------------
+    def mlp(self, sizes, dev, seed):
+        """Linear-ReLU-...-Linear as (params, forward)."""
+        rng = np.random.RandomState(seed)
+        params = []
+        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+            params.append(self.param(rng.randn(fan_out, fan_in) / np.sqrt(fan_in), dev))
+            params.append(self.param(np.zeros(fan_out), dev))
+
+        def forward(x):
+            for i in range(0, len(params), 2):
+                x = F.linear(x, params[i], params[i + 1])
+                if i + 2 < len(params):
+                    x = F.relu(x)
+            return x
+
+        return params, forward
+
+    def cross_entropy(self, logits, labels):
+        return F.cross_entropy(logits, labels)
+
+    def mse(self, pred, target):
+        return F.mse_loss(pred, target)
+
+    def mul(self, a, b):
+        return a * b
+
+    def total(self, t):
+        return t.sum()
+
+    # -- the dtype table ---------------------------------------------------------------
+    def run_op(self, row, inp, dev, low, kind):
+        def x_(a):  # the op's data input: float32, or the autocast dtype
+            return self.tensor(a, dev, low if kind == "low" else "float32")
+
+        def w_(a):  # weights stay float32, as parameters do
+            return self.tensor(a, dev, "float32")
+
+        ops = {
+            "matmul": lambda: x_(inp["x"]) @ w_(inp["w"]).t(),
+            "linear": lambda: F.linear(x_(inp["x"]), w_(inp["w"]), w_(inp["b"])),
+            "conv2d": lambda: F.conv2d(x_(inp["img"]), w_(inp["cw"]), w_(inp["cb"])),
+            "batched matmul": lambda: torch.matmul(x_(inp["a3"]), w_(inp["b3"])),
+            "softmax": lambda: F.softmax(x_(inp["x"]), dim=-1),
+            "log-softmax": lambda: F.log_softmax(x_(inp["x"]), dim=-1),
+            "cross-entropy": lambda: F.cross_entropy(
+                x_(inp["x"]), self.tensor(inp["labels"], dev, "int32")),
+            "MSE": lambda: F.mse_loss(x_(inp["x"]), w_(inp["x"])),
+            "sum": lambda: x_(inp["x"]).sum(),
+            "mean": lambda: x_(inp["x"]).mean(),
+            "exp": lambda: x_(inp["x"]).exp(),
+            "log": lambda: x_(inp["pos"]).log(),
+            "batch norm": lambda: F.batch_norm(
+                x_(inp["img"]), w_(inp["bn_mean"]), w_(inp["bn_var"]), w_(inp["bn_w"]),
+                w_(inp["bn_b"]), training=True),
+            "layer norm": lambda: F.layer_norm(x_(inp["x"]), (8,), w_(inp["ln_w"]),
+                                               w_(inp["ln_b"])),
+            "add low+float32": lambda: self.tensor(inp["x"], dev, low) + w_(inp["x"]),
+        }
+        return ops[row]()
+
+    def run_module(self, row, inp, dev, low):
+        """The module spelling of a row, on a low-precision input."""
+        x = self.tensor(inp["x"], dev, low)
+        img = self.tensor(inp["img"], dev, low)
+        if row == "softmax":
+            return torch.nn.Softmax(dim=-1)(x)
+        if row == "batch norm":
+            return torch.nn.BatchNorm2d(3).to(dev)(img)
+        if row == "layer norm":
+            return torch.nn.LayerNorm(8).to(dev)(x)
+        raise KeyError(row)
