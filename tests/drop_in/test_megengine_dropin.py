@@ -1,0 +1,125 @@
+"""unified_amp.GradScaler in unchanged megengine.amp loops gives megengine.amp's weights
+and scale history bit for bit, at the same init_scale. Only the class differs."""
+
+import numpy as np
+import pytest
+
+import megengine as mge
+import megengine.amp
+import megengine.functional as F
+import megengine.module as M
+import megengine.optimizer as optim
+from megengine.autodiff import GradManager
+
+import unified_amp
+
+NATIVE, OURS = megengine.amp.GradScaler, unified_amp.GradScaler
+
+
+def model_and_data():
+    rng = np.random.RandomState(0)
+    model = M.Sequential(M.Linear(8, 16), M.ReLU(), M.Linear(16, 4))
+    for p in model.parameters():
+        p._reset(mge.tensor(rng.randn(*p.shape).astype("float32") * 0.3))
+    batches = [(rng.randn(8, 8).astype("float32"), rng.randint(0, 4, 8).astype("int32"))
+               for _ in range(24)]
+    return model, batches
+
+
+def batch(batches, i, overflow):
+    x, y = batches[i]
+    x = x.copy()
+    if overflow:
+        x[0, 0] = np.inf
+    return mge.tensor(x), mge.tensor(y)
+
+
+def automatic_mode(GradScaler, overflow_at=(2, 5)):
+    model, batches = model_and_data()
+    gm = GradManager().attach(model.parameters())
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = GradScaler(init_scale=2.0**4, growth_interval=2)
+    history = []
+    for i in range(10):
+        x, y = batch(batches, i, i in overflow_at)
+        with megengine.amp.autocast():
+            with gm:
+                loss = F.nn.cross_entropy(model(x), y)
+                scaler.backward(gm, loss)
+        opt.step().clear_grad()
+        history.append(scaler.scale_factor)
+    return [p.numpy().tobytes() for p in model.parameters()], history
+
+
+def manual_mode(GradScaler, overflow_at=(1, 6)):
+    """megengine.amp's documented split: gm.backward(loss, dy=scale) -> unscale -> update."""
+    model, batches = model_and_data()
+    gm = GradManager().attach(model.parameters())
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    scaler = GradScaler(init_scale=2.0**4, growth_interval=2)
+    history = []
+    for i in range(10):
+        x, y = batch(batches, i, i in overflow_at)
+        with megengine.amp.autocast():
+            with gm:
+                loss = F.nn.cross_entropy(model(x), y)
+                gm.backward(loss, dy=mge.tensor(scaler.scale_factor))
+        scaler.unscale(gm.attached_tensors())
+        scaler.update()
+        opt.step().clear_grad()
+        history.append(scaler.scale_factor)
+    return [p.numpy().tobytes() for p in model.parameters()], history
+
+
+def accumulation(GradScaler, overflow_at=(5,)):
+    """Two micro-batches with unscale_grad=False, then one unscale and update."""
+    model, batches = model_and_data()
+    gm = GradManager().attach(model.parameters())
+    opt = optim.SGD(model.parameters(), lr=0.05)
+    scaler = GradScaler(init_scale=2.0**4, growth_interval=2)
+    history = []
+    for i in range(0, 20, 2):
+        for j in (i, i + 1):
+            x, y = batch(batches, j, j in overflow_at)
+            with megengine.amp.autocast():
+                with gm:
+                    loss = F.nn.cross_entropy(model(x), y) / 2
+                    scaler.backward(gm, loss, unscale_grad=False)
+        scaler.unscale(gm.attached_tensors())
+        scaler.update()
+        opt.step().clear_grad()
+        history.append(scaler.scale_factor)
+    return [p.numpy().tobytes() for p in model.parameters()], history
+
+
+
+def assert_backoff_and_growth(history):
+    """The loop did exercise both rules, so equal histories mean something."""
+    steps = list(zip(history, history[1:]))
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps), history
+
+
+@pytest.mark.parametrize("loop", [automatic_mode, manual_mode, accumulation],
+                         ids=["automatic", "manual-dy", "accumulation"])
+def test_same_weights_and_scale_history(loop):
+    native, ours = loop(NATIVE), loop(OURS)
+    assert native[1] == ours[1]
+    assert native[0] == ours[0]
+    assert_backoff_and_growth(native[1])
+
+
+def test_ours_also_takes_unified_grad_managers_with_the_same_result():
+    def run(make_gm):
+        model, batches = model_and_data()
+        gm = make_gm(model.parameters())
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = OURS(init_scale=2.0**4, growth_interval=2)
+        for i in range(6):
+            x, y = batch(batches, i, i == 2)
+            with megengine.amp.autocast():
+                with gm:
+                    scaler.backward(gm, F.nn.cross_entropy(model(x), y))
+            opt.step().clear_grad()
+        return [p.numpy().tobytes() for p in model.parameters()], scaler.scale_factor
+
+    assert run(lambda ps: GradManager().attach(ps)) == run(unified_amp.GradManager)

@@ -1,0 +1,101 @@
+"""unified_amp.GradScaler in an unchanged torch.amp loop gives torch.amp's weights and
+scale history bit for bit. Only the GradScaler class differs between the two runs."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import unified_amp
+
+NATIVE, OURS = torch.amp.GradScaler, unified_amp.GradScaler
+
+
+def data(step, micro):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(8, 8, generator=g)
+    y = torch.randint(0, 4, (8,), generator=g)
+    return x, y
+
+
+def torch_amp_loop(GradScaler, steps=14, overflow_at=((3, 1), (8, 0)), ckpt_at=6,
+                   dtype=torch.float16):
+    """A typical torch.amp loop: two optimizers, 2-step accumulation, unscale_ + clipping,
+    a planted overflow, and a scaler checkpoint round trip."""
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    head = torch.nn.Linear(8, 4)
+    opt_body = torch.optim.SGD(body.parameters(), lr=0.05, momentum=0.9)
+    opt_head = torch.optim.Adam(head.parameters(), lr=1e-2)
+    scaler = GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    history = []
+    for step in range(steps):
+        for micro in range(2):
+            x, y = data(step, micro)
+            if (step, micro) in overflow_at:
+                x[0, 0] = float("inf")
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.cross_entropy(head(body(x)), y) / 2
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt_body)
+        torch.nn.utils.clip_grad_norm_(body.parameters(), max_norm=0.5)
+        scaler.step(opt_body)
+        scaler.step(opt_head)
+        scaler.update()
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+        history.append(scaler.get_scale())
+        if step == ckpt_at:
+            state = copy.deepcopy(scaler.state_dict())
+            scaler = GradScaler("cpu")
+            scaler.load_state_dict(state)
+    weights = [p.detach().numpy().tobytes() for p in [*body.parameters(), *head.parameters()]]
+    states = [np.asarray(v).tobytes() for opt in (opt_body, opt_head)
+              for s in opt.state.values() for _, v in sorted(s.items())]
+    return weights, states, history
+
+
+
+def assert_backoff_and_growth(history):
+    """The loop did exercise both rules, so equal histories mean something."""
+    steps = list(zip(history, history[1:]))
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps), history
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_same_weights_optimizer_state_and_scale_history(dtype):
+    native = torch_amp_loop(NATIVE, dtype=dtype)
+    ours = torch_amp_loop(OURS, dtype=dtype)
+    assert native[2] == ours[2]
+    assert native[0] == ours[0]
+    assert native[1] == ours[1]
+    assert_backoff_and_growth(native[2])
+
+
+def test_frequent_overflows_and_default_arguments():
+    every_other = tuple((s, 0) for s in range(0, 14, 2))
+    native = torch_amp_loop(NATIVE, overflow_at=every_other)
+    ours = torch_amp_loop(OURS, overflow_at=every_other)
+    assert native == ours
+
+
+def test_scale_of_a_list_and_state_dict_match():
+    a, b = NATIVE("cpu", init_scale=3.0), OURS("cpu", init_scale=3.0)
+    t = [torch.tensor([1.5, -2.0]), (torch.tensor(0.25),)]
+    sa, sb = a.scale(t), b.scale(t)
+    assert torch.equal(sa[0], sb[0]) and torch.equal(sa[1][0], sb[1][0])
+    assert type(sa[1]) is type(sb[1]) is tuple
+    assert a.state_dict() == b.state_dict()
+    assert (a.get_scale(), a.is_enabled()) == (b.get_scale(), b.is_enabled())
+
+
+def test_native_state_dict_loads_into_ours_and_back():
+    native = NATIVE("cpu", init_scale=512.0, growth_interval=7)
+    ours = OURS()
+    ours.load_state_dict(native.state_dict())
+    assert ours.state_dict() == native.state_dict()
+    again = NATIVE("cpu")
+    again.load_state_dict(ours.state_dict())
+    assert again.state_dict() == native.state_dict()
