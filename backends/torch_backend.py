@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import inspect
 import threading
 from collections import defaultdict
 from typing import Any, Sequence
@@ -120,6 +122,125 @@ class _Tape:
         torch.autograd.backward(list(ys), grad_tensors=list(dys), inputs=self.params)
 
 
+def _check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
+                       found_on: torch.device | None = None) -> torch.Tensor:
+    """torch's fused kernel over grads of any devices/dtypes (it takes one of each per
+    call); ``inv_scale`` is a float or a float32 0-dim tensor. Returns one found_inf
+    flag (float32, on ``found_on`` or the first gradient's device). No host sync."""
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+        lambda: defaultdict(list))
+    for g in grads:
+        if g.is_sparse:
+            g = g._values()
+        groups[g.device][g.dtype].append(g)
+    found = []
+    with torch.no_grad():
+        for device, by_dtype in groups.items():
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+            if isinstance(inv_scale, torch.Tensor):
+                inv = inv_scale.to(device, non_blocking=True)
+            else:
+                inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+            for same in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
+            found.append(found_inf)
+    target = found_on or found[0].device
+    return sum(f.to(target, non_blocking=True) for f in found)
+
+
+class _DeviceScale:
+    """The scale and growth tracker as device tensors, updated by torch's own
+    ``_amp_update_scale_`` as torch.amp does, so that a fused optimizer (which skips on
+    ``found_inf`` inside its kernel) steps with no host sync at all.
+
+    Telemetry comes back through asynchronous copies into pinned memory, read only
+    once their CUDA event has completed: ``poll()`` never waits.
+    """
+
+    def __init__(self, device: torch.device, scale: float, tracker: int, skipped: int):
+        self.device = device
+        self.scale_t = torch.full((), scale, dtype=torch.float32, device=device)
+        self.tracker_t = torch.full((), tracker, dtype=torch.int32, device=device)
+        self.skipped_t = torch.full((), skipped, dtype=torch.float64, device=device)
+        self._snapshots: collections.deque = collections.deque()
+
+    def scale(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.scale_t.to(y.device, non_blocking=True)
+
+    def scaled_cotangents(self, ys, dys):
+        if dys is None:
+            return [torch.ones_like(y) * self.scale_t.to(y.device) for y in ys]
+        return [dy * self.scale_t.to(dy.device, non_blocking=True) for dy in dys]
+
+    def unscale_and_check(self, grads):
+        # the reciprocal in float64, as torch.amp does
+        inv = self.scale_t.double().reciprocal().float()
+        return _check_and_unscale(grads, inv, self.device)
+
+    def check(self, grads):
+        return _check_and_unscale(grads, 1.0, self.device)
+
+    def step(self, optimizer, unscale: bool, flags, args, kwargs):
+        # The attributes torch's fused optimizers read, set as torch.amp sets them.
+        optimizer.grad_scale = self.scale_t if unscale else None
+        optimizer.found_inf = self._combine(flags)
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+
+    def _combine(self, flags, found_host: bool = False) -> torch.Tensor:
+        found = torch.full((), float(found_host), dtype=torch.float32, device=self.device)
+        for f in flags:
+            found = found + f.to(self.device, non_blocking=True)
+        return found
+
+    def update(self, found_host, flags, growth, backoff, interval, *, steps, count,
+               new_scale):
+        found = self._combine(flags, found_host)
+        if new_scale is not None:
+            self.scale_t.fill_(new_scale)
+        else:
+            torch._amp_update_scale_(self.scale_t, self.tracker_t, found, growth, backoff,
+                                     interval)
+        if count:
+            self.skipped_t += (found > 0).double()
+        self._snapshot(steps, found > 0)
+
+    def _snapshot(self, steps: int, last_found: torch.Tensor) -> None:
+        values = torch.stack([self.scale_t.double(), self.tracker_t.double(),
+                              self.skipped_t, last_found.double()])
+        if self.device.type == "cuda":
+            buf = torch.empty(4, dtype=torch.float64, pin_memory=True)
+            buf.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            buf, event = values.cpu(), None
+        self._snapshots.append((steps, buf, event))
+
+    def poll(self):
+        """The newest snapshot whose copy has landed, or None; never waits."""
+        latest = None
+        while self._snapshots and (self._snapshots[0][2] is None
+                                   or self._snapshots[0][2].query()):
+            latest = self._snapshots.popleft()
+        if latest is None:
+            return None
+        steps, buf, _ = latest
+        scale, tracker, skipped, last = buf.tolist()
+        return steps, scale, int(tracker), int(skipped), bool(last)
+
+    def read(self) -> tuple[float, int]:
+        return float(self.scale_t.item()), int(self.tracker_t.item())
+
+    def load(self, scale: float, tracker: int | None) -> None:
+        self.scale_t.fill_(scale)
+        if tracker is not None:
+            self.tracker_t.fill_(tracker)
+
+
 class TorchBackend:
     """unified_amp adapter for PyTorch (CPU and CUDA)."""
 
@@ -223,24 +344,22 @@ class TorchBackend:
         return [dy * self._scale_tensor(scale, dy.device) for dy in dys]
 
     def unscale_and_check(self, grads: Sequence[torch.Tensor], inv_scale: float) -> Any:
-        # torch's fused kernel takes one device and one dtype per call.
-        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list))
-        for g in grads:
-            if g.is_sparse:
-                g = g._values()
-            groups[g.device][g.dtype].append(g)
-        found = []
-        with torch.no_grad():
-            for device, by_dtype in groups.items():
-                found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
-                for same in by_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
-                found.append(found_inf)
-        if len(found) == 1:
-            return found[0]
-        return sum(f.to(found[0].device, non_blocking=True) for f in found)
+        return _check_and_unscale(grads, inv_scale)
 
     def flag_is_set(self, flag: torch.Tensor) -> bool:
         return bool(flag.item())
+
+    # -- fused optimizers (optional part of the interface) ------------------------------
+    def steps_on_device(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` takes ``grad_scale``/``found_inf`` and skips on the
+        device by itself: torch's fused Adam, AdamW and SGD (``fused=True``)."""
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        # The older contract passed the scaler itself as a kwarg; such optimizers get
+        # the ordinary path.
+        return "grad_scaler" not in inspect.signature(optimizer.step).parameters
+
+    def device_scale(self, optimizer: Any, scale: float, tracker: int,
+                     skipped: int) -> _DeviceScale:
+        device = next(p.device for g in optimizer.param_groups for p in g["params"])
+        return _DeviceScale(device, scale, tracker, skipped)

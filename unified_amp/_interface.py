@@ -92,3 +92,10 @@ class Backend(Protocol):
 
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
+
+    # -- optional: optimizers that skip on the device ----------------------------------
+    # An adapter may also provide ``steps_on_device(optimizer) -> bool`` and
+    # ``device_scale(optimizer, scale, growth_tracker, skipped_steps)``, returning an
+    # object that keeps the scale on the device (see backends/torch_backend.py,
+    # _DeviceScale). GradScaler switches to it the first time such an optimizer steps,
+    # so that its steps need no host sync. MegEngine has no such optimizers.

@@ -4,6 +4,12 @@ The state (scale, growth tracker, per-optimizer stage) lives here as plain Pytho
 numbers; adapters only scale tensors, run the fused check-and-unscale kernel and read
 its flag back. That flag read is the only device-to-host sync, once per unscale, so at
 most once per optimizer step.
+
+One exception, for optimizers that skip a step on the device by themselves (torch's
+``fused=True`` Adam/AdamW/SGD read ``grad_scale``/``found_inf`` tensors): once such an
+optimizer steps, the adapter keeps the scale and growth tracker in device tensors and
+updates them with the framework's own kernel, so a step needs no sync at all. The stage
+logic below is the same in both modes; only where the arithmetic runs differs.
 """
 
 from __future__ import annotations
@@ -175,6 +181,8 @@ class GradScaler:
         self._steps = 0
         self._skipped_steps = 0
         self._last_step_skipped = False
+        self._as_of_step = 0  # the step the telemetry describes (lags only in device mode)
+        self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
         self._new_iteration()
 
     # -- internals ----------------------------------------------------------------------
@@ -187,16 +195,32 @@ class GradScaler:
         # What happened since the last update(), keyed by id() like torch.amp: the keys
         # only live for one iteration, so a recycled id cannot leak into the next.
         self._opt_stage: dict[int, _Stage] = {}
-        self._param_found: dict[int, bool] = {}  # unscaled params -> their check found inf
-        self._checked = False  # any unscale ran (even over no gradients)
-        self._found_inf = False
+        # checked params -> whether their check found inf/NaN: a bool once read on the
+        # host, or the adapter's unread device flag (fused optimizers, device mode)
+        self._param_found: dict[int, Any] = {}
+        self._checked = False  # any check ran (even over no gradients)
+        self._found_inf = False  # an inf/NaN was seen on the host
+        self._flags: list[Any] = []  # device mode: every flag, read or not, for update()
+
+    def _steps_on_device(self, optimizer: Any) -> bool:
+        backend = self._be()
+        supported = getattr(backend, "steps_on_device", None)
+        if supported is None or not supported(optimizer):
+            return False
+        if self._dev is None:
+            self._dev = backend.device_scale(optimizer, self._scale, self._growth_tracker,
+                                             self._skipped_steps)
+        return True
 
     def _inv_scale(self) -> float:
         # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
         # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
         return 1.0 / self._scale if self._scale else math.inf
 
-    def _unscale_params(self, params: list[Any]) -> bool:
+    def _check(self, params: list[Any], *, unscale: bool = True, read: bool = True) -> Any:
+        """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
+        them too unless a fused optimizer will. Returns the host bool when ``read``
+        (the sync), else the device flag."""
         backend = self._be()
         grads = backend.grads(params)
         for dtype in {g.dtype for g in grads}:
@@ -206,16 +230,20 @@ class GradScaler:
                     " parameters (and so float32 gradients): keep the model in float32 and"
                     " let autocast run the low-precision ops."
                 )
-        found = False
+        found: Any = False
         if grads:
-            flag = backend.unscale_and_check(grads, self._inv_scale())
-            found = backend.flag_is_set(flag)  # the one device-to-host sync
-        if found:
+            if self._dev is not None:
+                flag = self._dev.unscale_and_check(grads) if unscale else self._dev.check(grads)
+                self._flags.append(flag)
+            else:
+                flag = backend.unscale_and_check(grads, self._inv_scale())
+            found = backend.flag_is_set(flag) if read else flag  # the one sync
+        if found is True:
             backend.drop_grads(params)
+            self._found_inf = True
         for p in params:
             self._param_found[id(p)] = found
         self._checked = True
-        self._found_inf = self._found_inf or found
         return found
 
     # -- loss scaling -------------------------------------------------------------------
@@ -227,6 +255,8 @@ class GradScaler:
 
         def apply(val: Any) -> Any:
             if backend.is_tensor(val):
+                if self._dev is not None:
+                    return self._dev.scale(val)
                 return backend.scale(val, self._scale)
             if isinstance(val, (list, tuple)):
                 return type(val)(apply(v) for v in val)
@@ -265,7 +295,11 @@ class GradScaler:
                     f"GradScaler.backward() got {len(ys)} output(s) y but {len(dys)}"
                     f" cotangent(s) dy; pass one dy per y, or dy=None for ones."
                 )
-        gm.backward(ys, self._be().scaled_cotangents(ys, dys, self._scale))
+        if self._dev is not None:
+            cotangents = self._dev.scaled_cotangents(ys, dys)
+        else:
+            cotangents = self._be().scaled_cotangents(ys, dys, self._scale)
+        gm.backward(ys, cotangents)
         if unscale_grad:
             self.unscale(gm)
             if update_scale:
@@ -285,6 +319,7 @@ class GradScaler:
         """
         if not self._enabled:
             return self
+        on_device = is_optimizer(target) and self._steps_on_device(target)
         if is_optimizer(target):
             stage = self._opt_stage.get(id(target), _Stage.READY)
             if stage is _Stage.UNSCALED:
@@ -307,7 +342,8 @@ class GradScaler:
                 f" unscaled already). Unscaling twice would divide them by the scale twice;"
                 f" call scaler.update() before unscaling them again."
             )
-        self._unscale_params(params)
+        # A fused optimizer skips on the device, so its flag need not come to the host.
+        self._check(params, read=not on_device)
         if is_optimizer(target):
             self._opt_stage[id(target)] = _Stage.UNSCALED
         return self
@@ -338,15 +374,26 @@ class GradScaler:
                 "step() has already been called since the last update(). Call"
                 " scaler.update() once per iteration, after stepping every optimizer."
             )
+        on_device = self._steps_on_device(optimizer)
         params = params_of(optimizer, self._be(), "GradScaler.step()")
+        fused_unscale = False
         if stage is _Stage.READY:
             # Gradients unscaled through a GradManager or a parameter list are not
             # unscaled again; the rest are, in one fused call.
             pending = [p for p in params if id(p) not in self._param_found]
+            # A fused optimizer unscales inside its own kernel (grad_scale), as with
+            # torch.amp -- unless some of its gradients were unscaled already.
+            fused_unscale = on_device and len(pending) == len(params)
             if pending:
-                self._unscale_params(pending)
-        found = any(self._param_found.get(id(p), False) for p in params)
-        result = None if found else optimizer.step(*args, **kwargs)
+                self._check(pending, unscale=not fused_unscale, read=not on_device)
+        found = [self._param_found.get(id(p), False) for p in params]
+        if any(f is True for f in found):
+            result = None
+        elif on_device:
+            flags = list({id(f): f for f in found if f is not False}.values())
+            result = self._dev.step(optimizer, fused_unscale, flags, args, kwargs)
+        else:
+            result = optimizer.step(*args, **kwargs)
         self._opt_stage[key] = _Stage.STEPPED
         return result
 
@@ -363,28 +410,52 @@ class GradScaler:
         if not self._enabled:
             return
         if new_scale is not None:
-            self._scale = self._valid_scale(new_scale, "update(new_scale=...)")
+            new_scale = self._valid_scale(new_scale, "update(new_scale=...)")
+        elif not self._checked:
+            raise self._nothing_unscaled()
+        if self._dev is not None:
+            if self._checked:
+                self._steps += 1
+            self._dev.update(self._found_inf, self._flags, self._growth_factor,
+                             self._backoff_factor, self._growth_interval,
+                             steps=self._steps, count=self._checked, new_scale=new_scale)
+        else:
+            if new_scale is not None:
+                self._scale = new_scale
+            else:
+                self._scale, self._growth_tracker = next_scale(
+                    self._scale, self._growth_tracker, self._found_inf,
+                    self._growth_factor, self._backoff_factor, self._growth_interval,
+                )
             if self._checked:
                 self._count_step(self._found_inf)
-        else:
-            if not self._checked:
-                raise RuntimeError(
-                    "update() was called, but no gradients were unscaled since the last"
-                    " update(), so there is nothing to decide the new scale from. Call"
-                    " scaler.step(optimizer) or scaler.unscale(...) first, or pass"
-                    " update(new_scale=...)."
-                )
-            self._scale, self._growth_tracker = next_scale(
-                self._scale, self._growth_tracker, self._found_inf,
-                self._growth_factor, self._backoff_factor, self._growth_interval,
-            )
-            self._count_step(self._found_inf)
         self._new_iteration()
+
+    @staticmethod
+    def _nothing_unscaled() -> RuntimeError:
+        return RuntimeError(
+            "update() was called, but no gradients were unscaled since the last"
+            " update(), so there is nothing to decide the new scale from. Call"
+            " scaler.step(optimizer) or scaler.unscale(...) first, or pass"
+            " update(new_scale=...)."
+        )
 
     def _count_step(self, skipped: bool) -> None:
         self._steps += 1
         self._skipped_steps += int(skipped)
         self._last_step_skipped = skipped
+        self._as_of_step = self._steps
+
+    def _set_scale(self, value: float) -> None:
+        self._scale = value
+        if self._dev is not None:
+            self._dev.load(value, None)
+
+    def _sync_from_device(self) -> None:
+        """Reads the device-resident scale and tracker back (a sync, as torch.amp's
+        get_scale() is)."""
+        if self._dev is not None:
+            self._scale, self._growth_tracker = self._dev.read()
 
     def _valid_scale(self, value: Any, what: str) -> float:
         if not _is_number(value):
@@ -404,8 +475,12 @@ class GradScaler:
 
     # -- inspection ---------------------------------------------------------------------
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). No device sync."""
-        return self._scale if self._enabled else 1.0
+        """The current scale as a Python float (1.0 when disabled). No device sync,
+        except after a fused optimizer moved the scale to the device (as torch.amp)."""
+        if not self._enabled:
+            return 1.0
+        self._sync_from_device()
+        return self._scale
 
     @property
     def scale_factor(self) -> float:
@@ -414,22 +489,33 @@ class GradScaler:
 
     @scale_factor.setter
     def scale_factor(self, value: Any) -> None:
-        self._scale = self._valid_scale(value, "scale_factor")
+        self._set_scale(self._valid_scale(value, "scale_factor"))
 
     def is_enabled(self) -> bool:
         return self._enabled
 
     def stats(self) -> dict[str, Any]:
-        """Telemetry: ``scale``, ``growth_tracker``, ``steps`` (updates that followed an
+        """Telemetry, as plain Python values, without a device sync.
+
+        Keys: ``scale``, ``growth_tracker``, ``steps`` (updates that followed an
         unscale), ``skipped_steps`` (of those, how many found an inf/NaN),
-        ``last_step_skipped`` and ``enabled``. Plain Python values; no device sync."""
+        ``last_step_skipped``, ``enabled``, and ``as_of_step``: the step the other
+        values describe. It equals ``steps`` except with fused optimizers on a GPU,
+        where the values arrive asynchronously and may trail by a step or two.
+        """
+        if self._enabled and self._dev is not None:
+            snapshot = self._dev.poll()
+            if snapshot is not None:
+                (self._as_of_step, self._scale, self._growth_tracker, self._skipped_steps,
+                 self._last_step_skipped) = snapshot
         return {
-            "scale": self.get_scale(),
+            "scale": self._scale if self._enabled else 1.0,
             "growth_tracker": self._growth_tracker,
             "steps": self._steps,
             "skipped_steps": self._skipped_steps,
             "last_step_skipped": self._last_step_skipped,
             "enabled": self._enabled,
+            "as_of_step": self._as_of_step,
         }
 
     def get_growth_factor(self) -> float:
@@ -459,6 +545,7 @@ class GradScaler:
         Empty when disabled (as torch.amp)."""
         if not self._enabled:
             return {}
+        self._sync_from_device()
         return {
             "scale": self._scale,
             "growth_factor": self._growth_factor,
@@ -514,6 +601,8 @@ class GradScaler:
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = state_dict["growth_interval"]
         self._growth_tracker = tracker
+        if self._dev is not None:
+            self._dev.load(self._scale, tracker)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._opt_stage or self._checked:
@@ -521,8 +610,10 @@ class GradScaler:
                 "A GradScaler instance may only be pickled at the beginning of an"
                 " iteration, or at the end after scaler.update()."
             )
+        self._sync_from_device()
         state = self.__dict__.copy()
         state["_backend"] = None  # re-resolved on first use after unpickling
+        state["_dev"] = None  # device tensors are remade at the next fused step
         return state
 
     def __repr__(self) -> str:
