@@ -235,3 +235,21 @@ def test_scaled_loss_and_fp16_gradients(kit, device):
     assert kit.dtype(h.grad) == "float16"
     with pytest.raises(ValueError, match="FP16 gradients"):
         scaler.unscale(gm)
+
+
+def test_state_dict_is_plain_python_and_survives_json(kit, device):
+    """Plain numbers only, so a checkpoint written on one backend loads on the other."""
+    import json
+
+    p = Problem(kit, device)
+    gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.05)
+    scaler = amp.GradScaler(init_scale=2.0**9, growth_interval=2)
+    for overflow in (False, True, False):
+        torch_style_step(scaler, gm, opt, p, overflow)
+    state = scaler.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    fresh = amp.GradScaler()
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert fresh.state_dict() == state == {
+        "scale": 2.0**8, "growth_factor": 2.0, "backoff_factor": 0.5,
+        "growth_interval": 2, "_growth_tracker": 1}
