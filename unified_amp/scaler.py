@@ -319,7 +319,6 @@ class GradScaler:
         """
         if not self._enabled:
             return self
-        on_device = is_optimizer(target) and self._steps_on_device(target)
         if is_optimizer(target):
             stage = self._opt_stage.get(id(target), _Stage.READY)
             if stage is _Stage.UNSCALED:
@@ -343,6 +342,7 @@ class GradScaler:
                 f" call scaler.update() before unscaling them again."
             )
         # A fused optimizer skips on the device, so its flag need not come to the host.
+        on_device = is_optimizer(target) and self._steps_on_device(target)
         self._check(params, read=not on_device)
         if is_optimizer(target):
             self._opt_stage[id(target)] = _Stage.UNSCALED
@@ -387,6 +387,12 @@ class GradScaler:
             if pending:
                 self._check(pending, unscale=not fused_unscale, read=not on_device)
         found = [self._param_found.get(id(p), False) for p in params]
+        if not on_device:  # an ordinary optimizer needs every verdict on the host
+            verdicts: dict[int, bool] = {}
+            for f in found:
+                if not isinstance(f, bool) and id(f) not in verdicts:
+                    verdicts[id(f)] = self._be().flag_is_set(f)
+            found = [verdicts.get(id(f), f) for f in found]
         if any(f is True for f in found):
             result = None
         elif on_device:
