@@ -99,3 +99,33 @@ def test_native_state_dict_loads_into_ours_and_back():
     again = NATIVE("cpu")
     again.load_state_dict(ours.state_dict())
     assert again.state_dict() == native.state_dict()
+
+
+def test_swapping_only_the_scaler_leaves_torch_autocast_dispatch_untouched():
+    """The dtype-contract kernels arrive with the first unified autocast block, never
+    with the scaler, so a drop-in user's torch.autocast runs exactly torch's code."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch, unified_amp as amp
+        has = lambda: torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::softmax.int", "AutocastCPU")
+        scaler = amp.GradScaler("cpu")
+        w = torch.nn.Parameter(torch.ones(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (w * 2).softmax(0).sum()
+        scaler.scale(loss).backward()
+        scaler.step(torch.optim.SGD([w], lr=0.1))
+        scaler.update()
+        before = has()
+        with amp.autocast(dtype="bfloat16"):
+            pass
+        print(before, has())
+    """)
+    env = dict(os.environ, UNIFIED_AMP_BACKEND="torch")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.stdout.split() == ["False", "True"], proc.stderr
