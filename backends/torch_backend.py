@@ -140,7 +140,11 @@ def _check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
             if isinstance(inv_scale, torch.Tensor):
                 inv = inv_scale.to(device, non_blocking=True)
             else:
-                inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+                # Filled in float64 and cast, so that the reciprocal of a scale that
+                # has underflowed (after ~144 overflows in a row) becomes inf, as in
+                # torch.amp, instead of failing to convert.
+                inv = torch.full((), inv_scale, dtype=torch.float64,
+                                 device=device).float()
             for same in by_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
             found.append(found_inf)

@@ -253,3 +253,27 @@ def test_state_dict_is_plain_python_and_survives_json(kit, device):
     assert fresh.state_dict() == state == {
         "scale": 2.0**8, "growth_factor": 2.0, "backoff_factor": 0.5,
         "growth_interval": 2, "_growth_tracker": 1}
+
+
+def test_a_long_run_of_overflows_keeps_skipping_and_never_fails(kit, device):
+    """170 non-finite steps in a row take the scale below float32's smallest normal
+    number; its reciprocal overflows to inf, which must not raise (torch.amp's does
+    not) and must keep every step skipped."""
+    w = kit.param(np.array([1.0, 2.0], np.float32), device)
+    gm, opt = amp.GradManager([w]), kit.sgd([w], 0.1, momentum=0.9)
+    scaler = amp.GradScaler()
+    nan = kit.tensor(np.array([np.nan, 1.0], np.float32), device)
+    scales = []
+    for _ in range(170):
+        with gm:
+            gm.backward(scaler.scale(kit.total(kit.mul(w, nan))))
+        scaler.step(opt)
+        scaler.update()
+        gm.zero_grad()
+        scales.append(scaler.get_scale())
+    assert kit.numpy(w).tolist() == [1.0, 2.0]
+    assert scaler.stats()["skipped_steps"] == 170
+    assert all(b <= a for a, b in zip(scales, scales[1:]))
+    # 2**16 halved 170 times is below float32's range: it ends in the subnormals or,
+    # where the process flushes denormals to zero (MegEngine's import does), at 0.0
+    assert scales[-1] < 2.0**-126 and 0.5 * scales[100] == scales[101]
