@@ -11,7 +11,9 @@ import megengine
 import megengine.functional as F
 import megengine.functional.nn as _fnn
 import megengine.module.activation as _mact
+import megengine.module.adaptive_pooling as _mapool
 import megengine.module.batchnorm as _mbn
+import megengine.module.pooling as _mpool
 from megengine.autodiff import GradManager as _NativeGradManager
 from megengine.core import _config
 from megengine.core._imperative_rt.core2 import (
@@ -45,10 +47,12 @@ def _policy_on() -> bool:
 
 
 # -- the dtype contract (docs/DTYPE_CONTRACT.md) ----------------------------------------
-# MegEngine decides most autocast dtypes in C++, where no hook reaches; three rows of the
+# MegEngine decides most autocast dtypes in C++, where no hook reaches; a few rows of the
 # contract need a Python-level wrapper, active only inside an enabled unified block:
-# softmax and sum keep a float16 input in float16 (the contract says float32), and batch
-# norm casts a float32 input down to float16 (the contract says: follow the input).
+# softmax, sum and average pooling keep a float16 input in float16 (the contract says
+# float32); batch norm casts a float32 input down to float16 (the contract says: follow
+# the input); and MegEngine 1.13's float16 max pooling on CPU returns wrong values for
+# almost every output, so it runs in float32 there and hands back float16.
 def _softmax_fp32(orig: Callable) -> Callable:
     def softmax(inp, axis=None):
         if _policy_on() and _is_low(inp.dtype):
@@ -81,10 +85,41 @@ def _batch_norm_follows_input(orig: Callable) -> Callable:
     return batch_norm
 
 
+_CPU_ONLY = not megengine.is_cuda_available()  # then "xpux", the default, is the CPU
+
+
+def _on_cpu(t: Any) -> bool:
+    device = str(t.device)
+    return device.startswith("cpu") or (_CPU_ONLY and device.startswith("xpu"))
+
+
+def _max_pool_in_fp32_on_cpu(orig: Callable) -> Callable:
+    def max_pool(inp, *args, **kwargs):
+        if _policy_on() and _is_low(inp.dtype) and _on_cpu(inp):
+            return orig(inp.astype("float32"), *args, **kwargs).astype(inp.dtype)
+        return orig(inp, *args, **kwargs)
+
+    return max_pool
+
+
+def _avg_pool_fp32(orig: Callable) -> Callable:
+    # Also sidesteps MegEngine's float16 adaptive_avg_pool2d, wrong on small CPU inputs.
+    def avg_pool(inp, *args, **kwargs):
+        if _policy_on() and _is_low(inp.dtype):
+            inp = inp.astype("float32")
+        return orig(inp, *args, **kwargs)
+
+    return avg_pool
+
+
 # Every place MegEngine binds these functions by name (modules import them directly).
 _PATCHES = (
     ((F, _fnn, _mact), "softmax", _softmax_fp32),
     ((_fnn, _mbn), "batch_norm", _batch_norm_follows_input),
+    ((F, _fnn, _mpool), "max_pool2d", _max_pool_in_fp32_on_cpu),
+    ((F, _fnn, _mapool), "adaptive_max_pool2d", _max_pool_in_fp32_on_cpu),
+    ((F, _fnn, _mpool), "avg_pool2d", _avg_pool_fp32),
+    ((F, _fnn, _mapool), "adaptive_avg_pool2d", _avg_pool_fp32),
 )
 _installed = False
 

@@ -18,11 +18,12 @@ _LOW = (torch.float16, torch.bfloat16)
 # Ops the dtype contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md).
 # Where torch's autocast already has a kernel for an (op, device) pair -- on CUDA it puts
 # softmax, log_softmax, sum, exp, log and layer_norm in float32 -- we leave it alone; where
-# it falls through (all of these on CPU, mean on CUDA), a float16 input would give a
-# float16 output, so we register a kernel on that device's Autocast key.
+# it falls through (all of these on CPU; mean and average pooling on CUDA), a float16
+# input would give a float16 output, so we register a kernel on that device's Autocast
+# key.
 _FP32_OPS = (
     "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "mean", "mean.dim",
-    "exp", "log", "layer_norm",
+    "exp", "log", "layer_norm", "avg_pool2d", "adaptive_avg_pool2d",
 )
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 

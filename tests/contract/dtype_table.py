@@ -6,7 +6,8 @@ Rules:
   "float32"  float32, whatever the input: numerically sensitive ops
   "input"    the dtype of the data input (batch norm: statistics are accumulated in float32
              by both frameworks' kernels; a float32 output after every low-precision conv
-             would make AMP keep more activation memory than fp32 training)
+             would make AMP keep more activation memory than fp32 training; max pooling
+             only selects values)
 """
 
 import numpy as np
@@ -25,6 +26,9 @@ ROWS = [
     ("exp", "float32"),
     ("log", "float32"),
     ("batch norm", "input"),
+    ("max pool", "input"),
+    ("average pool", "float32"),
+    ("global average pool", "float32"),
     ("layer norm", "float32"),
     ("add low+float32", "float32"),
 ]
@@ -57,3 +61,16 @@ def inputs(seed=0):
         "bn_w": np.ones(3, np.float32), "bn_b": np.zeros(3, np.float32),
         "ln_w": np.ones(8, np.float32), "ln_b": np.zeros(8, np.float32),
     }
+
+
+def round_through(a, low):
+    """``a`` rounded to the low dtype and back to float32 (numpy has no bfloat16:
+    round-to-nearest-even on the top 16 bits of the float32 pattern)."""
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        return a
+    if low == "float16":
+        return a.astype(np.float16).astype(np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)

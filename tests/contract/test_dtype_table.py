@@ -8,7 +8,7 @@ import pytest
 
 import unified_amp as amp
 
-from .dtype_table import ROWS, expected, input_kinds, inputs
+from .dtype_table import ROWS, expected, input_kinds, inputs, round_through
 
 CASES = [(row, kind) for row, _ in ROWS for kind in input_kinds(row)]
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "DTYPE_CONTRACT.md"
@@ -31,6 +31,26 @@ def test_output_dtype(kit, device, row, kind, low):
         out = kit.run_op(row, inp, device, low, kind)
     assert kit.dtype(out) == expected(row, kind, low)
     assert np.all(np.isfinite(kit.numpy(out)))
+
+
+TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2}
+
+
+@pytest.mark.parametrize("low", ["float16", "bfloat16"])
+@pytest.mark.parametrize("row", [r for r, _ in ROWS])
+def test_values_match_float32_within_low_precision_tolerance(kit, device, row, low):
+    """The right dtype is not enough: each row's values under autocast must agree with
+    float32 on the same (pre-rounded) inputs. This is what catches a framework's broken
+    low-precision kernel (MegEngine's float16 pooling on CPU)."""
+    if (kit.name, device, low) in UNSUPPORTED:
+        return  # test_output_dtype checks that the block refuses to start
+    inp = {k: round_through(v, low) for k, v in inputs().items()}
+    kind = input_kinds(row)[-1]
+    reference = kit.numpy(kit.run_op(row, inp, device, low, "float32"))
+    with amp.autocast(dtype=low, device=device):
+        got = kit.numpy(kit.run_op(row, inp, device, low, kind))
+    tol = TOLERANCE[low]
+    np.testing.assert_allclose(got, reference, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("low", ["float16", "bfloat16"])

@@ -137,6 +137,9 @@ class Kit:
             "batch norm": lambda: F.nn.batch_norm(
                 x_(inp["img"]), c4(inp["bn_mean"]), c4(inp["bn_var"]), c4(inp["bn_w"]),
                 c4(inp["bn_b"]), training=True),
+            "max pool": lambda: F.max_pool2d(x_(inp["img"]), 2),
+            "average pool": lambda: F.avg_pool2d(x_(inp["img"]), 2),
+            "global average pool": lambda: F.adaptive_avg_pool2d(x_(inp["img"]), (1, 1)),
             "layer norm": lambda: F.nn.layer_norm(x_(inp["x"]), (8,), True, w_(inp["ln_w"]),
                                                   w_(inp["ln_b"])),
             "add low+float32": lambda: self.tensor(inp["x"], dev, low) + w_(inp["x"]),

@@ -120,6 +120,9 @@ class Kit:
             "batch norm": lambda: F.batch_norm(
                 x_(inp["img"]), w_(inp["bn_mean"]), w_(inp["bn_var"]), w_(inp["bn_w"]),
                 w_(inp["bn_b"]), training=True),
+            "max pool": lambda: F.max_pool2d(x_(inp["img"]), 2),
+            "average pool": lambda: F.avg_pool2d(x_(inp["img"]), 2),
+            "global average pool": lambda: F.adaptive_avg_pool2d(x_(inp["img"]), 1),
             "layer norm": lambda: F.layer_norm(x_(inp["x"]), (8,), w_(inp["ln_w"]),
                                                w_(inp["ln_b"])),
             "add low+float32": lambda: self.tensor(inp["x"], dev, low) + w_(inp["x"]),
