@@ -1,0 +1,11 @@
+"""Examples of unified_amp: each trains on PyTorch or MegEngine (``UNIFIED_AMP_BACKEND``)
+with one training step written once against unified_amp.
+
+    python -m examples.cnn_classifier --demo     # what `make demo` runs
+    python -m examples.gan
+    python -m examples.grad_accumulation
+    python -m examples.fp32_baseline
+
+What the frameworks spell differently (models, losses, optimizers, tensors) lives in
+``examples.frameworks``; nothing else in this package imports a framework.
+"""

@@ -1,0 +1,199 @@
+"""Smoke tests of the examples on the backend this process runs (UNIFIED_AMP_BACKEND).
+
+Each example runs in-process, through its ``main()``, at a tiny size: these check that
+the examples train and use the API as they claim, not how well they train.
+"""
+
+import ast
+import functools
+import inspect
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import unified_amp as amp
+from examples import cnn_classifier, fp32_baseline, frameworks, gan, grad_accumulation
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline)
+# What autocast(dtype=None) means on CPU; float16 on CUDA, where the examples run if
+# the framework sees a GPU.
+CPU_DEFAULT_DTYPE = {"torch": "bfloat16", "megengine": "float16"}
+
+TINY_CNN = ["--steps", "30", "--batch-size", "32", "--train-size", "256", "--lr", "0.01",
+            "--test-size", "200", "--width", "4", "--noise", "0.5", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def fw():
+    return frameworks.get()
+
+
+def count_calls(monkeypatch, owner, name):
+    """Replaces ``owner.name`` with a wrapper that records each call's arguments."""
+    calls = []
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def weights(fw, model):
+    return [fw.numpy(p).copy() for p in model.parameters()]
+
+
+def assert_learned(losses, factor):
+    assert all(math.isfinite(x) for x in losses), losses
+    assert np.mean(losses[-5:]) < factor * losses[0], losses
+
+
+def test_training_steps_are_written_once_in_framework_free_modules():
+    """Each step lives in its example module, which imports no framework; the other
+    tests spy on these very functions to check that the training loops call them."""
+    steps = {cnn_classifier: cnn_classifier.train_step, gan: gan.gan_step,
+             grad_accumulation: grad_accumulation.accumulation_step}
+    for module, step in steps.items():
+        assert step.__module__ == module.__name__
+    # Neither the framework kits nor the fp32 baseline bring a step of their own.
+    for module in (frameworks, fp32_baseline):
+        assert not [n for n in vars(module) if "step" in n.lower()], module.__name__
+    assert not [n for kit in (frameworks.TorchKit, frameworks.MegEngineKit)
+                for n in vars(kit) if "step" in n.lower()]
+    for module in SHARED:
+        tree = ast.parse(inspect.getsource(module))
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom)}
+        assert not imported & {"torch", "megengine"}, module.__name__
+
+
+def test_importing_the_examples_imports_no_framework():
+    code = ("import sys, examples.cnn_classifier, examples.gan, examples.grad_accumulation,"
+            " examples.fp32_baseline\n"
+            "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_cnn_demo_trains_in_fp32_and_amp(monkeypatch, capsys):
+    calls = count_calls(monkeypatch, cnn_classifier, "train_step")
+    results = cnn_classifier.main(TINY_CNN + ["--demo"])
+    backend = amp.get_backend()
+    default_dtype = "float16" if backend.cuda_available() else CPU_DEFAULT_DTYPE[backend.name]
+
+    assert len(calls) == 60  # both runs went through the one step function
+    fp32, mixed = results["fp32"], results["AMP"]
+    for r in (fp32, mixed):
+        assert_learned(r["losses"], 0.6)
+        assert r["accuracy"] > 0.5
+    assert fp32["compute_dtype"] == "float32"
+    assert mixed["compute_dtype"] == default_dtype
+    assert fp32["scaler"]["enabled"] is False
+    assert mixed["scaler"]["enabled"] is True
+    assert mixed["scaler"]["steps"] == 30
+    assert mixed["scaler"]["skipped_steps"] < 30
+    table = capsys.readouterr().out
+    assert "held-out accuracy" in table and "skipped steps" in table
+
+
+def test_cnn_float16_on_request(fw):
+    r = cnn_classifier.train(dtype="float16", steps=3, batch_size=8, train_size=64,
+                             test_size=16, width=2)
+    assert r["compute_dtype"] == "float16"
+    assert all(math.isfinite(x) for x in r["losses"])
+    assert r["scaler"]["steps"] == 3
+
+
+def test_gan_one_scaler_one_update_per_iteration(monkeypatch, fw):
+    before = {}
+    real_step = gan.gan_step
+
+    def snapshot_then_step(**kwargs):
+        if not before:
+            before["G"] = weights(fw, kwargs["generator"])
+            before["D"] = weights(fw, kwargs["discriminator"])
+        return real_step(**kwargs)
+
+    monkeypatch.setattr(gan, "gan_step", snapshot_then_step)
+    scaler_steps = count_calls(monkeypatch, amp.GradScaler, "step")
+    updates = count_calls(monkeypatch, amp.GradScaler, "update")
+    r = gan.main(["--steps", "20", "--batch-size", "32", "--hidden", "16",
+                  "--no-progress"])
+
+    assert r["scaler"]["enabled"] is True
+    assert r["scaler"]["steps"] == 20  # one update per iteration, not one per loss
+    assert len(updates) == 20 and len(scaler_steps) == 40  # both optimizers, each iteration
+    assert r["scaler"]["skipped_steps"] < 20
+    assert all(math.isfinite(x) for x in r["d_losses"] + r["g_losses"])
+    for name, model in (("G", r["generator"]), ("D", r["discriminator"])):
+        after = weights(fw, model)
+        assert any(not np.array_equal(a, b) for a, b in zip(before[name], after)), name
+
+
+def test_grad_accumulation_unscales_and_steps_once_per_step(monkeypatch):
+    step_calls = count_calls(monkeypatch, grad_accumulation, "accumulation_step")
+    backwards = count_calls(monkeypatch, amp.GradManager, "backward")
+    unscales = count_calls(monkeypatch, amp.GradScaler, "unscale")
+    scaler_steps = count_calls(monkeypatch, amp.GradScaler, "step")
+    r = grad_accumulation.main(["--steps", "20", "--micro-batches", "3",
+                                "--micro-batch-size", "8", "--hidden", "16",
+                                "--lr", "0.2", "--no-progress"])
+
+    assert len(step_calls) == 20
+    assert len(backwards) == 60
+    assert len(unscales) == 20 and len(scaler_steps) == 20
+    assert r["scaler"]["steps"] == 20
+    assert len(r["grad_norms"]) == 20 and all(n >= 0 for n in r["grad_norms"])
+    assert_learned(r["losses"], 0.8)
+
+
+def test_grad_accumulation_equals_one_big_batch_in_fp32(fw):
+    """4 micro-batches of 8 give the step one batch of 32 gives (loss divided by N)."""
+    common = dict(amp_enabled=False, steps=5, hidden=16, max_norm=0.25, test_size=10)
+    split = grad_accumulation.train(micro_batches=4, micro_batch_size=8, **common)
+    whole = grad_accumulation.train(micro_batches=1, micro_batch_size=32, **common)
+    np.testing.assert_allclose(split["losses"], whole["losses"], rtol=1e-5)
+    np.testing.assert_allclose(split["grad_norms"], whole["grad_norms"], rtol=1e-4)
+    assert max(whole["grad_norms"]) > 0.25  # so clipping took part
+    for a, b in zip(weights(fw, split["model"]), weights(fw, whole["model"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_fp32_baseline_is_the_cnn_step_with_amp_off_and_equals_a_plain_loop(
+        monkeypatch, fw):
+    argv = ["--steps", "10", "--batch-size", "16", "--train-size", "64", "--test-size",
+            "32", "--width", "4", "--no-progress"]
+    r = fp32_baseline.main(argv)
+    assert r["train_step"] is cnn_classifier.train_step
+    assert r["scaler"]["enabled"] is False and r["scaler"]["steps"] == 0
+    assert r["scaler"]["scale"] == 1.0
+    assert r["compute_dtype"] == "float32"
+
+    def plain_step(model, gm, optimizer, scaler, loss_fn, images, labels, precision):
+        with gm:
+            loss = loss_fn(model(images), labels)
+            gm.backward(loss)
+        optimizer.step()
+        gm.zero_grad()
+        return loss.item()
+
+    monkeypatch.setattr(cnn_classifier, "train_step", plain_step)
+    plain = fp32_baseline.main(argv)
+    assert plain["train_step"] is plain_step
+    # Bit for bit on CPU; GPU convolution kernels need not be deterministic.
+    same = (functools.partial(np.testing.assert_allclose, rtol=1e-5)
+            if amp.get_backend().cuda_available() else np.testing.assert_array_equal)
+    same(plain["losses"], r["losses"])
+    for a, b in zip(weights(fw, plain["model"]), weights(fw, r["model"])):
+        same(a, b)
