@@ -1,0 +1,45 @@
+"""The training step written once against unified_amp, for both frameworks."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import unified_amp as amp
+
+from .common import Workload
+
+
+def unified_step(w: Workload, gm: amp.GradManager, dtype: str | None,
+                 device: str) -> tuple[Callable[[], Any], amp.GradScaler]:
+    """One training step of ``w`` in unified_amp's automatic mode.
+
+    ``dtype`` None is the float32 baseline: the same code with autocast and the scaler
+    disabled, so fp32 and AMP differ only in those two switches.
+
+    Returns:
+        (step, scaler): ``step()`` trains once and returns the loss tensor.
+    """
+    enabled = dtype is not None
+    scaler = amp.GradScaler(enabled=enabled)
+    opt = w.optimizer
+
+    def step() -> Any:
+        with gm:
+            with amp.autocast(enabled=enabled, dtype=dtype, device=device):
+                loss = w.loss()
+            scaler.backward(gm, loss)  # scaled backward, unscale + inf check, update
+        opt.step()  # after an overflow the scaler dropped the grads: nothing moves
+        gm.zero_grad()
+        return loss
+
+    return step, scaler
+
+
+def precision_supported(dtype: str, device: str) -> str | None:
+    """None if the backend computes ``dtype`` on ``device``, else the library's reason."""
+    try:
+        with amp.autocast(dtype=dtype, device=device):
+            pass
+    except amp.UnsupportedPrecisionError as exc:
+        return str(exc)
+    return None
