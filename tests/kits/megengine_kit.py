@@ -129,6 +129,8 @@ class Kit:
             "log-softmax": lambda: F.logsoftmax(x_(inp["x"]), axis=-1),
             "cross-entropy": lambda: F.nn.cross_entropy(
                 x_(inp["x"]), self.tensor(inp["labels"], dev, "int32")),
+            "binary cross-entropy with logits": lambda: F.nn.binary_cross_entropy(
+                x_(inp["x"]), w_(inp["targets"]), with_logits=True),
             "MSE": lambda: F.nn.square_loss(x_(inp["x"]), w_(inp["x"])),
             "sum": lambda: x_(inp["x"]).sum(),
             "mean": lambda: x_(inp["x"]).mean(),

@@ -112,6 +112,8 @@ class Kit:
             "log-softmax": lambda: F.log_softmax(x_(inp["x"]), dim=-1),
             "cross-entropy": lambda: F.cross_entropy(
                 x_(inp["x"]), self.tensor(inp["labels"], dev, "int32")),
+            "binary cross-entropy with logits": lambda: F.binary_cross_entropy_with_logits(
+                x_(inp["x"]), w_(inp["targets"])),
             "MSE": lambda: F.mse_loss(x_(inp["x"]), w_(inp["x"])),
             "sum": lambda: x_(inp["x"]).sum(),
             "mean": lambda: x_(inp["x"]).mean(),
