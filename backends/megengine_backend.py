@@ -192,9 +192,6 @@ class MegEngineBackend:
 
     name = "megengine"
 
-    def __init__(self) -> None:
-        _install_policy()
-
     # -- devices and dtypes -----------------------------------------------------------
     def cuda_available(self) -> bool:
         return bool(megengine.is_cuda_available())
@@ -224,6 +221,10 @@ class MegEngineBackend:
             )
 
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
+        if enabled:
+            # Installed by the first enabled block, not on load: a drop-in user who
+            # only swaps GradScaler keeps MegEngine's functions untouched.
+            _install_policy()
         saved = _set_autocast(enabled, dtype or "float16")
         _policy_stack.append(enabled)
         return saved

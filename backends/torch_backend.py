@@ -45,7 +45,7 @@ class _Policy(threading.local):
 
 _policy = _Policy()
 _library: torch.library.Library | None = None
-_registered: set[tuple[str, str]] = set()
+_installed: set[str] = set()  # device types whose kernels are registered
 
 
 def _fp32_kernel(op: Any, key: str):
@@ -66,13 +66,13 @@ def _fp32_kernel(op: Any, key: str):
 def _install_policy(device_type: str) -> None:
     """Registers the float32 kernels for one device type, once per process."""
     global _library
+    if device_type in _installed:
+        return
+    _installed.add(device_type)
     key = _AUTOCAST_KEYS[device_type]
     if _library is None:
         _library = torch.library.Library("aten", "IMPL")
     for name in _FP32_OPS:
-        if (name, key) in _registered:
-            continue
-        _registered.add((name, key))
         if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
             continue
         base, _, overload = name.partition(".")

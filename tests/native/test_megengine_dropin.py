@@ -123,3 +123,34 @@ def test_ours_also_takes_unified_grad_managers_with_the_same_result():
         return [p.numpy().tobytes() for p in model.parameters()], scaler.scale_factor
 
     assert run(lambda ps: GradManager().attach(ps)) == run(unified_amp.GradManager)
+
+
+def test_swapping_only_the_scaler_leaves_megengine_functions_untouched():
+    """The dtype-contract wrappers arrive with the first unified autocast block, never
+    with the scaler, so a drop-in user's MegEngine calls run MegEngine's own code."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import megengine, megengine.functional as F, megengine.module as M
+        import numpy as np, unified_amp as amp
+        originals = (F.softmax, F.nn.batch_norm, F.max_pool2d, megengine.Tensor.sum)
+        model = M.Linear(4, 2)
+        gm = megengine.autodiff.GradManager().attach(model.parameters())
+        scaler = amp.GradScaler(init_scale=16.0)
+        with megengine.amp.autocast():
+            with gm:
+                loss = F.softmax(model(megengine.tensor(np.ones((3, 4), "float32")))).sum()
+                scaler.backward(gm, loss)
+        same = originals == (F.softmax, F.nn.batch_norm, F.max_pool2d, megengine.Tensor.sum)
+        with amp.autocast(dtype="float16"):
+            pass
+        after = originals == (F.softmax, F.nn.batch_norm, F.max_pool2d, megengine.Tensor.sum)
+        print(same, after)
+    """)
+    env = dict(os.environ, UNIFIED_AMP_BACKEND="megengine")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.stdout.split()[-2:] == ["True", "False"], proc.stderr[-2000:]
