@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import threading
 from collections import defaultdict
@@ -246,6 +247,13 @@ class _DeviceScale:
             self.tracker_t.fill_(tracker)
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_grad_scaler_kwarg(optimizer_class: type) -> bool:
+    # The older contract passed the scaler itself as a kwarg; such optimizers get the
+    # ordinary path. Asked once per class: inspect.signature is slow for a step loop.
+    return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
+
+
 class TorchBackend:
     """unified_amp adapter for PyTorch (CPU and CUDA)."""
 
@@ -362,9 +370,7 @@ class TorchBackend:
         device by itself: torch's fused Adam, AdamW and SGD (``fused=True``)."""
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             return False
-        # The older contract passed the scaler itself as a kwarg; such optimizers get
-        # the ordinary path.
-        return "grad_scaler" not in inspect.signature(optimizer.step).parameters
+        return not _takes_grad_scaler_kwarg(type(optimizer))
 
     def device_scale(self, optimizer: Any, scale: float, tracker: int,
                      skipped: int) -> _DeviceScale:

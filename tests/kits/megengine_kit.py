@@ -8,6 +8,8 @@ import megengine.module as M
 import megengine.optimizer as O
 from megengine.core.tensor.dtype import bfloat16
 
+from .base import KitBase
+
 # Ops only combine tensors on one comp node, and MegEngine's own code (optimizers,
 # modules) makes tensors on the default device; so tests run with the default device set
 # to the test's device (Kit.on_device), as a MegEngine user targeting it would.
@@ -24,7 +26,7 @@ def _on(dev):
         mge.set_default_device(saved)
 
 
-class Kit:
+class Kit(KitBase):
     name = "megengine"
 
     def has_cuda(self):
@@ -83,21 +85,11 @@ class Kit:
         opt.step()
 
     # -- model pieces ----------------------------------------------------------------
-    def mlp(self, sizes, dev, seed):
-        rng = np.random.RandomState(seed)
-        params = []
-        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-            params.append(self.param(rng.randn(fan_out, fan_in) / np.sqrt(fan_in), dev))
-            params.append(self.param(np.zeros(fan_out), dev))
+    def linear(self, x, w, b):
+        return F.nn.linear(x, w, b)
 
-        def forward(x):
-            for i in range(0, len(params), 2):
-                x = F.nn.linear(x, params[i], params[i + 1])
-                if i + 2 < len(params):
-                    x = F.relu(x)
-            return x
-
-        return params, forward
+    def relu(self, x):
+        return F.relu(x)
 
     def cross_entropy(self, logits, labels):
         return F.nn.cross_entropy(logits, labels)

@@ -4,11 +4,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .base import KitBase
+
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
        "int32": torch.int64}
 
 
-class Kit:
+class Kit(KitBase):
     name = "torch"
 
     def has_cuda(self):
@@ -66,22 +68,11 @@ class Kit:
         opt.step()
 
     # -- model pieces ----------------------------------------------------------------
-    def mlp(self, sizes, dev, seed):
-        """Linear-ReLU-...-Linear as (params, forward)."""
-        rng = np.random.RandomState(seed)
-        params = []
-        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-            params.append(self.param(rng.randn(fan_out, fan_in) / np.sqrt(fan_in), dev))
-            params.append(self.param(np.zeros(fan_out), dev))
+    def linear(self, x, w, b):
+        return F.linear(x, w, b)
 
-        def forward(x):
-            for i in range(0, len(params), 2):
-                x = F.linear(x, params[i], params[i + 1])
-                if i + 2 < len(params):
-                    x = F.relu(x)
-            return x
-
-        return params, forward
+    def relu(self, x):
+        return F.relu(x)
 
     def cross_entropy(self, logits, labels):
         return F.cross_entropy(logits, labels)
