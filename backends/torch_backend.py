@@ -168,7 +168,8 @@ class _DeviceScale:
         self.scale_t = torch.full((), scale, dtype=torch.float32, device=device)
         self.tracker_t = torch.full((), tracker, dtype=torch.int32, device=device)
         self.skipped_t = torch.full((), skipped, dtype=torch.float64, device=device)
-        self._snapshots: collections.deque = collections.deque()
+        self._in_flight: collections.deque = collections.deque()  # copies not yet landed
+        self._latest: tuple | None = None  # the newest snapshot that has landed
 
     def scale(self, y: torch.Tensor) -> torch.Tensor:
         return y * self.scale_t.to(y.device, non_blocking=True)
@@ -224,17 +225,22 @@ class _DeviceScale:
             event.record()
         else:
             buf, event = values.cpu(), None
-        self._snapshots.append((steps, buf, event))
+        self._in_flight.append((steps, buf, event))
+        # Drained here too, not only in poll(): a run that never asks for stats() must
+        # not keep a buffer per step.
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._in_flight and (self._in_flight[0][2] is None
+                                   or self._in_flight[0][2].query()):
+            self._latest = self._in_flight.popleft()
 
     def poll(self):
         """The newest snapshot whose copy has landed, or None; never waits."""
-        latest = None
-        while self._snapshots and (self._snapshots[0][2] is None
-                                   or self._snapshots[0][2].query()):
-            latest = self._snapshots.popleft()
-        if latest is None:
+        self._drain()
+        if self._latest is None:
             return None
-        steps, buf, _ = latest
+        steps, buf, _ = self._latest
         scale, tracker, skipped, last = buf.tolist()
         return steps, scale, int(tracker), int(skipped), bool(last)
 

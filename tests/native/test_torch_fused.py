@@ -144,3 +144,18 @@ def test_device_mode_state_dict_and_new_scale():
     scaler.step(opt)
     scaler.update()
     assert (scaler.get_scale(), scaler.state_dict()["_growth_tracker"]) == (16.0, 0)
+
+
+def test_telemetry_snapshots_do_not_pile_up_without_stats_calls():
+    """Each update() takes an asynchronous snapshot; a run that never calls stats() must
+    keep only the copies still in flight, not one per step."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = OURS(init_scale=64.0)
+    for _ in range(50):
+        scaler.scale(model(torch.randn(2, 3)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert len(scaler._dev._in_flight) <= 1  # on CPU every copy has landed at once
+    assert scaler.stats()["as_of_step"] == 50
