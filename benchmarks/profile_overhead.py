@@ -2,7 +2,7 @@
 
 Runs the overhead variants of ``benchmarks.bench`` (native, unified, scaler_only,
 autocast_only, native_contract) under cProfile and prints, per step, the Python
-self-time spent in unified_amp's own code (``unified_amp/``, ``backends/``) and in the
+self-time spent in unified_amp's own code (``unified_amp/``, adapters included) and in the
 framework's AMP modules, with the heaviest unified_amp functions. The native step is
 profiled twice: once before the unified_amp adapter is loaded (pristine) and once after,
 since loading the adapter changes what the framework's own autocast dispatches to.
@@ -31,8 +31,7 @@ from .timing import interleaved, round_ratios, spread
 
 # Python source that counts as unified_amp's (the package and its adapters), and as
 # each framework's own AMP.
-_UNIFIED = tuple(os.path.dirname(importlib.util.find_spec(m).origin) + os.sep
-                 for m in ("unified_amp", "backends"))
+_UNIFIED = (os.path.dirname(importlib.util.find_spec("unified_amp").origin) + os.sep,)
 _NATIVE_AMP = {"torch": (f"torch{os.sep}amp{os.sep}",),
                "megengine": (f"megengine{os.sep}amp{os.sep}",
                              f"megengine{os.sep}autodiff{os.sep}")}

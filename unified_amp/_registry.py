@@ -21,8 +21,9 @@ ENV_VAR = "UNIFIED_AMP_BACKEND"
 
 # name -> (adapter "module:attr", framework module that must be importable, pip extra)
 _BUILTIN: dict[str, tuple[str, str, str]] = {
-    "torch": ("backends.torch_backend:TorchBackend", "torch", "torch"),
-    "megengine": ("backends.megengine_backend:MegEngineBackend", "megengine", "megengine"),
+    "torch": ("unified_amp.backends.torch_backend:TorchBackend", "torch", "torch"),
+    "megengine": ("unified_amp.backends.megengine_backend:MegEngineBackend", "megengine",
+                  "megengine"),
 }
 _AUTO_ORDER = ("torch", "megengine")
 

@@ -24,7 +24,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_importing_the_package_imports_no_framework():
     proc = _run("""
         import sys
-        import unified_amp, backends
+        import unified_amp, unified_amp.backends
         from unified_amp import autocast, GradScaler, GradManager, clip_grad_norm
         amp_scaler = GradScaler()          # construction alone needs no framework
         unified_amp.available_backends()   # nor does listing what is installed
