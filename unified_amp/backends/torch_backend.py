@@ -7,7 +7,7 @@ import functools
 import inspect
 import threading
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ _library: torch.library.Library | None = None
 _installed: set[str] = set()  # device types whose kernels are registered
 
 
-def _fp32_kernel(op: Any, key: str):
+def _fp32_kernel(op: Any, key: str) -> Callable[..., Any]:
     excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -151,7 +151,10 @@ def _check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
                 torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
             found.append(found_inf)
     target = found_on or found[0].device
-    return sum(f.to(target, non_blocking=True) for f in found)
+    total = found[0].to(target, non_blocking=True)
+    for f in found[1:]:
+        total = total + f.to(target, non_blocking=True)
+    return total
 
 
 class _DeviceScale:
@@ -174,20 +177,22 @@ class _DeviceScale:
     def scale(self, y: torch.Tensor) -> torch.Tensor:
         return y * self.scale_t.to(y.device, non_blocking=True)
 
-    def scaled_cotangents(self, ys, dys):
+    def scaled_cotangents(self, ys: Sequence[torch.Tensor],
+                          dys: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         if dys is None:
             return [torch.ones_like(y) * self.scale_t.to(y.device) for y in ys]
         return [dy * self.scale_t.to(dy.device, non_blocking=True) for dy in dys]
 
-    def unscale_and_check(self, grads):
+    def unscale_and_check(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # the reciprocal in float64, as torch.amp does
         inv = self.scale_t.double().reciprocal().float()
         return _check_and_unscale(grads, inv, self.device)
 
-    def check(self, grads):
+    def check(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         return _check_and_unscale(grads, 1.0, self.device)
 
-    def step(self, optimizer, unscale: bool, flags, args, kwargs):
+    def step(self, optimizer: Any, unscale: bool, flags: Sequence[torch.Tensor],
+             args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         # The attributes torch's fused optimizers read, set as torch.amp sets them.
         optimizer.grad_scale = self.scale_t if unscale else None
         optimizer.found_inf = self._combine(flags)
@@ -197,14 +202,16 @@ class _DeviceScale:
             del optimizer.grad_scale
             del optimizer.found_inf
 
-    def _combine(self, flags, found_host: bool = False) -> torch.Tensor:
+    def _combine(self, flags: Sequence[torch.Tensor], found_host: bool = False
+                 ) -> torch.Tensor:
         found = torch.full((), float(found_host), dtype=torch.float32, device=self.device)
         for f in flags:
             found = found + f.to(self.device, non_blocking=True)
         return found
 
-    def update(self, found_host, flags, growth, backoff, interval, *, steps, count,
-               new_scale):
+    def update(self, found_host: bool, flags: Sequence[torch.Tensor], growth: float,
+               backoff: float, interval: int, *, steps: int, count: bool,
+               new_scale: float | None) -> None:
         found = self._combine(flags, found_host)
         if new_scale is not None:
             self.scale_t.fill_(new_scale)
@@ -235,7 +242,7 @@ class _DeviceScale:
                                    or self._in_flight[0][2].query()):
             self._latest = self._in_flight.popleft()
 
-    def poll(self):
+    def poll(self) -> tuple[int, float, int, int, bool] | None:
         """The newest snapshot whose copy has landed, or None; never waits."""
         self._drain()
         if self._latest is None:
@@ -254,7 +261,7 @@ class _DeviceScale:
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_grad_scaler_kwarg(optimizer_class: type) -> bool:
+def _takes_grad_scaler_kwarg(optimizer_class: Any) -> bool:
     # The older contract passed the scaler itself as a kwarg; such optimizers get the
     # ordinary path. Asked once per class: inspect.signature is slow for a step loop.
     return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
@@ -376,7 +383,7 @@ class TorchBackend:
         device by itself: torch's fused Adam, AdamW and SGD (``fused=True``)."""
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             return False
-        return not _takes_grad_scaler_kwarg(type(optimizer))
+        return not _takes_grad_scaler_kwarg(optimizer.__class__)
 
     def device_scale(self, optimizer: Any, scale: float, tracker: int,
                      skipped: int) -> _DeviceScale:
