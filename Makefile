@@ -23,6 +23,10 @@ TEST_BACKENDS := $(call lc,$(BACKENDS))
 VENV_torch := .venv-torch
 VENV_megengine := .venv-megengine
 VENV_torch-oldest := .venv-torch-oldest
+# The extras each environment installs (in variables: $(call) splits its arguments at
+# every literal comma).
+EXTRAS_torch := torch,test,examples,bench
+EXTRAS_megengine := megengine,test,examples,bench
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 DEMO_ARGS ?=
@@ -36,7 +40,8 @@ BAD_TEST := $(firstword $(filter-out $(ALL_BACKENDS),$(TEST_BACKENDS)))
 # pip's own progress (Collecting / Downloading lines; bars on a terminal). Only stderr's
 # "Location 'file:...' is ignored" warnings, one per package a local mirror lacks, go.
 # $(1): the environment, $(2): pip install's arguments.
-pip_install = set -o pipefail; { $(1)/bin/python -m pip install --progress-bar on $(2) \
+pip_install = echo '$(1)/bin/pip install $(2)'; \
+	set -o pipefail; { $(1)/bin/python -m pip install --progress-bar on $(2) \
 	2>&1 1>&3 | { grep --line-buffered -v "Location 'file:.*' is ignored" || true; } >&2; } 3>&1
 
 # MegEngine's CUDA stub prints a banner and "failed to load cuda func" lines from C,
@@ -50,20 +55,20 @@ $(VENV_torch)/.ready: pyproject.toml constraints/torch.txt
 	@echo ">>> setting up $(VENV_torch) with $(PY_TORCH) (torch and the test tools; about 1.5 min the first time)"
 	@test -n "$(PY_TORCH)" || { echo "no python3 found: set PY_TORCH=/path/to/python3.11"; exit 1; }
 	$(PY_TORCH) -m venv $(VENV_torch)
-	$(call pip_install,$(VENV_torch),-c constraints/torch.txt -e ".[torch,test,examples,bench]")
+	@$(call pip_install,$(VENV_torch),-c constraints/torch.txt -e ".[$(EXTRAS_torch)]")
 	@touch $@
 
 $(VENV_megengine)/.ready: pyproject.toml constraints/megengine.txt
 	@echo ">>> setting up $(VENV_megengine) with $(PY_MGE) (MegEngine is a 0.9 GB wheel; about 3 min the first time)"
 	@test -n "$(PY_MGE)" || { echo "CPython 3.10 not found (MegEngine needs 3.8-3.10, unified_amp >= 3.10): set PY_MGE=/path/to/python3.10, or run only torch: make test BACKENDS=torch"; exit 1; }
 	$(PY_MGE) -m venv $(VENV_megengine)
-	$(call pip_install,$(VENV_megengine),-c constraints/megengine.txt -e ".[megengine,test,examples,bench]")
+	@$(call pip_install,$(VENV_megengine),-c constraints/megengine.txt -e ".[$(EXTRAS_megengine)]")
 	@touch $@
 
 $(VENV_torch-oldest)/.ready: pyproject.toml constraints/torch-oldest.txt
 	@echo ">>> setting up $(VENV_torch-oldest) with $(PY_TORCH) (the oldest supported torch: a CUDA build with ~2.5 GB of nvidia wheels; it runs on CPU too)"
 	$(PY_TORCH) -m venv $(VENV_torch-oldest)
-	$(call pip_install,$(VENV_torch-oldest),-c constraints/torch-oldest.txt -e ".[torch,test,examples,bench]")
+	@$(call pip_install,$(VENV_torch-oldest),-c constraints/torch-oldest.txt -e ".[$(EXTRAS_torch)]")
 	@touch $@
 
 env-torch: $(VENV_torch)/.ready
