@@ -232,7 +232,7 @@ def test_stepping_twice_is_an_error(fake):
 
 def test_update_with_nothing_unscaled_is_an_error_unless_new_scale(fake):
     scaler = amp.GradScaler()
-    with pytest.raises(RuntimeError, match="no gradients were unscaled since the last"):
+    with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
         scaler.update()
     scaler.update(new_scale=1024.0)
     assert scaler.get_scale() == 1024.0 and scaler.stats()["steps"] == 0
@@ -251,15 +251,23 @@ def test_bad_targets_are_type_errors(fake):
         scaler.unscale(42)
     with pytest.raises(TypeError, match="expects an optimizer"):
         scaler.step([FakeTensor([1.0])])
-    with pytest.raises(ValueError, match="tensor or an iterable"):
+    with pytest.raises(ValueError, match=r"tensor or a list/tuple of them; outputs is float 3.0"):
         scaler.scale(3.0)
+    with pytest.raises(ValueError, match=r"outputs\[1\] is float 2.0"):
+        scaler.scale([FakeTensor([1.0]), 2.0])
+    with pytest.raises(TypeError, match="expects a GradManager .* got FakeOptimizer .*optimizer"):
+        scaler.backward(FakeOptimizer([]), FakeTensor([1.0]))
 
 
 def test_float16_gradients_are_refused(fake):
     p = FakeTensor([1.0], dtype="float16")
-    p.grad = FakeTensor([1.0], dtype="float16")
+    scaler = amp.GradScaler()
+    gm = amp.GradManager([p])
+    with gm:
+        gm.backward(scaler.scale(linear_loss([p], [[1.0]])))
+    assert p.grad.dtype == "float16"
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
-        amp.GradScaler().unscale([p])
+        scaler.unscale([p])
 
 
 # -- validation ------------------------------------------------------------------------
