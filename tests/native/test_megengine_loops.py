@@ -14,25 +14,9 @@ from megengine.autodiff import GradManager
 
 import unified_amp
 
+from .test_megengine_dropin import batch, model_and_data
+
 NATIVE, OURS = megengine.amp.GradScaler, unified_amp.GradScaler
-
-
-def model_and_batches(n=10):
-    rng = np.random.RandomState(0)
-    model = M.Sequential(M.Linear(6, 8), M.ReLU(), M.Linear(8, 3))
-    for p in model.parameters():
-        p._reset(mge.tensor(rng.randn(*p.shape).astype("float32") * 0.3))
-    batches = [(rng.randn(4, 6).astype("float32"), rng.randint(0, 3, 4).astype("int32"))
-               for _ in range(n)]
-    return model, batches
-
-
-def batch(batches, i, overflow):
-    x, y = batches[i]
-    x = x.copy()
-    if overflow:
-        x[0, 0] = np.inf
-    return mge.tensor(x), mge.tensor(y)
 
 
 def weights(model):
@@ -42,7 +26,7 @@ def weights(model):
 def backward_without_update(GradScaler, update_every=None, overflow_at=(3,)):
     """scaler.backward(gm, loss, update_scale=False) every iteration: each unscales a
     fresh generation of gradients without an update() in between."""
-    model, batches = model_and_batches()
+    model, batches = model_and_data()
     gm = GradManager().attach(model.parameters())
     opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = GradScaler(init_scale=2.0**4, growth_interval=2)
@@ -71,7 +55,7 @@ def test_backward_with_update_scale_false_every_iteration(update_every):
 def repeated_manual_unscale(GradScaler, overflow_at=(2, 5)):
     """megengine.amp's manual split, with update() only every third iteration: unscale()
     meets a new generation of gradients each time."""
-    model, batches = model_and_batches()
+    model, batches = model_and_data()
     gm = GradManager().attach(model.parameters())
     opt = optim.Adam(model.parameters(), lr=1e-2)
     scaler = GradScaler(init_scale=2.0**4, growth_interval=1)
@@ -134,7 +118,7 @@ def test_unscaling_the_same_gradient_again_raises_where_megengine_divides_twice(
 
 
 def test_forgetting_to_scale_raises_on_megengine_too():
-    model, batches = model_and_batches()
+    model, batches = model_and_data()
     gm = GradManager().attach(model.parameters())
     scaler = OURS()
     x, y = batch(batches, 0, False)

@@ -38,6 +38,14 @@ def data(step, micro=0, overflow=False, dtype=torch.float32):
     return x, y
 
 
+def scaled_backward(scaler, model, step, overflow=False, micro=0, divide=1):
+    """The torch.amp recipe's forward (bfloat16 autocast) and scaled backward."""
+    x, y = data(step, micro, overflow=overflow)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x), y) / divide
+    scaler.scale(loss).backward()
+
+
 def state_bytes(modules, optimizers):
     """Every weight and every optimizer-state entry, as bytes."""
     weights = [p.detach().numpy().tobytes() for m in modules for p in m.parameters()]
@@ -61,10 +69,7 @@ def clip_loop(GradScaler, error_if_nonfinite=False, overflow_at=(2, 5)):
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     seen = []
     for step in range(8):
-        x, y = data(step, overflow=step in overflow_at)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
+        scaled_backward(scaler, model, step, overflow=step in overflow_at)
         scaler.unscale_(opt)
         seen.append([p.grad is None for p in model.parameters()])
         try:
@@ -100,10 +105,7 @@ def touch_grads_loop(GradScaler, overflow_at=(1, 4)):
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     history = []
     for step in range(7):
-        x, y = data(step, overflow=step in overflow_at)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
+        scaled_backward(scaler, model, step, overflow=step in overflow_at)
         scaler.unscale_(opt)
         for p in model.parameters():
             p.grad.copy_(p.grad.clamp(-0.05, 0.05))
@@ -129,10 +131,7 @@ def invalidated_loop(GradScaler, make_opt):
     scaler = GradScaler("cpu", init_scale=128.0)
     for step in range(3):
         opt.zero_grad()
-        x, y = data(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
+        scaled_backward(scaler, model, step)
         scaler.unscale_(opt)
         for j, p in enumerate(model.parameters()):
             p.grad.copy_(torch.tensor(INF if j % 2 else math.nan))
@@ -195,10 +194,7 @@ def accumulation_loop(GradScaler, micro=3, overflow_at=((2, 1),)):
     history = []
     for step in range(6):
         for m in range(micro):
-            x, y = data(step, m, overflow=(step, m) in overflow_at)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y) / micro
-            scaler.scale(loss).backward()
+            scaled_backward(scaler, model, step, (step, m) in overflow_at, m, divide=micro)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -324,10 +320,7 @@ def preset_loop(GradScaler, make_opt, preset, unscale, overflow_at=(2, 5)):
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     seen = []
     for step in range(7):
-        x, y = data(step, overflow=step in overflow_at)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
+        scaled_backward(scaler, model, step, overflow=step in overflow_at)
         if unscale:
             scaler.unscale_(opt)
         if preset is not None:
@@ -402,10 +395,7 @@ def grad_scaler_kwarg_loop(GradScaler, overflow_at=(1,)):
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     results = []
     for step in range(4):
-        x, y = data(step, overflow=step in overflow_at)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
+        scaled_backward(scaler, model, step, overflow=step in overflow_at)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results.append(scaler.step(first))
@@ -432,10 +422,7 @@ def pickle_loop(GradScaler, overflow_at=(1, 4)):
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     history = []
     for step in range(7):
-        x, y = data(step, overflow=step in overflow_at)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
+        scaled_backward(scaler, model, step, overflow=step in overflow_at)
         scaler.step(opt)
         try:
             pickle.dumps(scaler)
@@ -517,10 +504,7 @@ def test_private_attributes_that_code_in_the_wild_reads():
         scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
         seen = []
         for step in range(5):
-            x, y = data(step, overflow=step in (1, 3))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
+            scaled_backward(scaler, model, step, overflow=step in (1, 3))
             seen.append(float(scaler._scale))
             scaler.unscale_(opt)
             seen.append(scaler._per_optimizer_states[id(opt)]["stage"].name)
@@ -547,10 +531,7 @@ def test_isfinite_norm_idiom_detects_the_overflow():
         scaler = GradScaler("cpu", init_scale=2.0**8)
         flags = []
         for step in range(3):
-            x, y = data(step, overflow=step == 1)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
+            scaled_backward(scaler, model, step, overflow=step == 1)
             scaler.unscale_(opt)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             flags.append(bool(torch.isfinite(norm)))
