@@ -294,9 +294,10 @@ class GradScaler:
             state = self._opt_states[id(optimizer)] = _OptState()
         return state
 
-    def _version(self, grad: Any) -> int | None:
-        version = getattr(self._be(), "grad_version", None)
-        return None if version is None else version(grad)
+    @property
+    def _version(self) -> Any:
+        """The adapter's gradient version counter, or a stand-in that has none."""
+        return getattr(self._be(), "grad_version", _no_version)
 
     def _steps_on_device(self, optimizer: Any) -> bool:
         backend = self._be()
@@ -320,8 +321,9 @@ class GradScaler:
         """``params`` with a gradient that still needs unscaling, and the checks that
         already covered the rest (from the ledger)."""
         pending, done = [], {}
+        version = self._version
         for p in params:
-            check = self._ledger.lookup(p, self._version)
+            check = self._ledger.lookup(p, version)
             if check is not None:
                 done[id(check)] = check
             elif p.grad is not None:
@@ -880,6 +882,10 @@ class GradScaler:
             f" backoff_factor={self._backoff_factor},"
             f" growth_interval={self._growth_interval}, enabled={self._enabled})"
         )
+
+
+def _no_version(grad: Any) -> None:
+    return None
 
 
 def _numel(t: Any) -> int:
