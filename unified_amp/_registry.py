@@ -30,7 +30,7 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
 # package index serves unified_amp itself; tests/test_packaging.py keeps the two equal.
 REQUIREMENTS: dict[str, tuple[str, ...]] = {
     "torch": ("torch>=2.4,<2.15",),
-    "megengine": ("megengine==1.13.*", "numpy<2", "opencv-python<4.11"),
+    "megengine": ("megengine==1.13.*", "numpy<2", "opencv-python<4.11", "setuptools<80.9"),
 }
 _AUTO_ORDER = ("torch", "megengine")
 
