@@ -371,8 +371,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.plot is not None:
         ratio = throughput_ratio(results)
         title = (f"unified_amp on {backend} ({fw.device_name()}): digits CNN, fp32 vs AMP"
-                 f" ({results['AMP']['compute_dtype']}); AMP throughput"
-                 f" {ratio['median']:.2f}x fp32")
+                 f" ({results['AMP']['compute_dtype']}); AMP/fp32 throughput"
+                 f" {ratio['median']:.2f}x (quartiles {ratio['q1']:.2f}-{ratio['q3']:.2f})")
         print(f"Curves: {plot_curves(results, args.plot, title)}")
     return results
 
