@@ -147,9 +147,46 @@ def table(result: dict[str, Any]) -> str:
             legend[name] = f"{r['numerator']} / {r['denominator']}"
     if legend:
         lines.append("  where " + "; ".join(f"{k} = {v}" for k, v in legend.items()))
+    lines += _opt_level_lines(result)
     if result["notes"]:
         lines += ["", "Notes:"] + [f"- {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _opt_level_lines(result: dict[str, Any]) -> list[str]:
+    lines = ["", "apex opt levels (amp.initialize + amp.scale_loss; each level on its own copy"
+             " of the model, interleaved; ratios to O0 per round, median [IQR]):",
+             f"{'workload':12} {'level':5} {'low':4} {'step ms':>26} {'vs O0':>22}"
+             f" {'weights + masters + opt state':>34} {'vs O0':>6} {'peak (vs O0)':>20}"]
+    for wname, w in result["workloads"].items():
+        o = w.get("opt_levels")
+        if o is None:
+            continue
+        if o.get("skipped"):
+            lines.append(f"{wname:12} skipped: {o['reason']}")
+            continue
+        for level, v in o["levels"].items():
+            head = f"{wname:12} {level:5} {_SHORT[o['low_dtype']]:4}"
+            if v.get("skipped"):
+                lines.append(f"{head} {v['reason']}")
+                continue
+            r = v["step_time_vs_O0"]
+            ratio = "" if r is None else f"{r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}]"
+            b = v["bytes"]
+            parts = f"{_mib(b['weights'])} + {_mib(b['master_weights'])} +" \
+                    f" {_mib(b['optimizer_state'])}"
+            vs = "" if v["bytes_vs_O0"] is None else f"{v['bytes_vs_O0']:.3f}"
+            mem = v.get("peak_memory_bytes")
+            peak = "n/a" if mem is None else _mib(mem) + (
+                "" if v.get("peak_memory_vs_O0") is None else
+                f" ({v['peak_memory_vs_O0']:.2f}x)")
+            lines.append(f"{head} {_ms(v['step_time_s']):>26} {ratio:>22} {parts:>34}"
+                         f" {vs:>6} {peak:>20}")
+    return lines if len(lines) > 3 else []
 
 
 # -- the plot -------------------------------------------------------------------------
@@ -163,9 +200,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     workloads = result["workloads"]
     bars = max(sum(len(tp["variants"]) for tp in w["throughput"]) for w in workloads.values())
     panel = max(5.0, 1.1 * bars + 1.0)  # room for each bar's three-line label
-    fig, axes = plt.subplots(1, len(workloads) + 1, layout="constrained",
-                             figsize=(panel * len(workloads) + 5.5, 4.8),
-                             width_ratios=[panel] * len(workloads) + [5.5])
+    levels = any(w.get("opt_levels") and not w["opt_levels"].get("skipped")
+                 for w in workloads.values())
+    extra = [5.5] + ([5.5] if levels else [])
+    fig, axes = plt.subplots(1, len(workloads) + len(extra), layout="constrained",
+                             figsize=(panel * len(workloads) + sum(extra), 4.8),
+                             width_ratios=[panel] * len(workloads) + extra)
     colors = {"float32": "#4c72b0", "float16": "#dd8452", "bfloat16": "#55a868"}
     for ax, (wname, w) in zip(axes, workloads.items()):
         labels, heights, errs, cols, notes = [], [], [[], []], [], []
@@ -202,7 +242,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("samples / s (higher is better)")
         size = ", ".join(f"{k}={v}" for k, v in w["size"].items())
         ax.set_title(f"{wname}: training throughput\n{size}", fontsize=9)
-    ax = axes[-1]
+    if levels:
+        _plot_opt_levels(axes[-1], workloads)
+    ax = axes[len(workloads)]
     names = ("unified", "scaler_only", "autocast_only", "contract_cost",
              "unified_same_dtypes")
     width = 0.8 / len(names)
@@ -241,6 +283,40 @@ def plot(result: dict[str, Any], path: Path) -> None:
                  f" ({cfg['mode']} mode, {result['date'][:10]})", fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_opt_levels(ax: Any, workloads: dict[str, Any]) -> None:
+    """Step time and weight + optimizer-state bytes of O1-O3 as ratios to O0."""
+    kinds = (("step time", "step_time_vs_O0"), ("weights + opt state", "bytes_vs_O0"))
+    x, ticks, tick_labels = 0.0, [], []
+    for wname, w in workloads.items():
+        o = w.get("opt_levels")
+        if not o or o.get("skipped"):
+            continue
+        for level, v in o["levels"].items():
+            if v.get("skipped"):
+                continue
+            for j, (label, key) in enumerate(kinds):
+                value = v[key]["median"] if isinstance(v[key], dict) else v[key]
+                if value is None:
+                    continue
+                bar_x = x + (j - 0.5) * 0.4
+                ax.bar(bar_x, value, width=0.4, color=f"C{j}",
+                       label=label if not ticks else None)
+                ax.text(bar_x, value, f"{value:.2f}", ha="center", va="bottom", fontsize=6,
+                        rotation=90)
+            ticks.append(x)
+            tick_labels.append(f"{level}\n{wname}" if level == "O0" else level)
+            x += 1.0
+        x += 0.5
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(ticks, tick_labels, fontsize=7)
+    ax.set_ylabel("ratio to O0 (lower is better)")
+    dtypes = {w["opt_levels"]["low_dtype"] for w in workloads.values()
+              if w.get("opt_levels") and not w["opt_levels"].get("skipped")}
+    ax.set_title(f"apex opt levels ({', '.join(_SHORT[d] for d in sorted(dtypes))}):"
+                 " ratios to O0", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
 
 
 def command_line(argv: list[str]) -> str:

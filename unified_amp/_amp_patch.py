@@ -87,19 +87,33 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
             opt.load_state_dict = types.MethodType(_amp_load_state_dict, opt)
 
 
-def info_of(optimizer: Any, state: Any) -> "_OptimizerAmp":
-    info = getattr(optimizer, _OPT_ATTR, None)
-    if info is None:
+def info_of(optimizer: Any) -> "_OptimizerAmp | None":
+    return getattr(optimizer, _OPT_ATTR, None)
+
+
+def state_of(optimizers: list[Any], latest: Any) -> Any:
+    """The initialize() state that prepared all of ``optimizers``."""
+    states = []
+    for opt in optimizers:
+        info = info_of(opt)
+        if info is None:
+            if latest is None:
+                raise RuntimeError(
+                    "amp.scale_loss() was called before amp.initialize(). Call"
+                    " `model, optimizer = amp.initialize(model, optimizer, opt_level=...)`"
+                    " first.")
+            raise RuntimeError(
+                f"amp.scale_loss got an optimizer ({type(opt).__name__}) that"
+                f" amp.initialize() did not prepare. Pass it to amp.initialize() and use"
+                f" the optimizer it returns.")
+        if all(info.state is not s for s in states):
+            states.append(info.state)
+    if len(states) != 1:
         raise RuntimeError(
-            f"amp.scale_loss got an optimizer ({type(optimizer).__name__}) that"
-            f" amp.initialize() did not prepare. Pass it to amp.initialize() and use the"
-            f" optimizer it returns.")
-    if info.state is not state:
-        raise RuntimeError(
-            "amp.scale_loss got an optimizer prepared by an earlier amp.initialize() call;"
-            " the latest call replaced the loss scalers. Pass every model and optimizer"
-            " to one amp.initialize() call.")
-    return info
+            f"amp.scale_loss got optimizers prepared by {len(states)} different"
+            f" amp.initialize() calls; one backward pass uses one call's loss scalers."
+            f" Pass the models and optimizers that share losses to one amp.initialize().")
+    return states[0]
 
 
 # -- models -----------------------------------------------------------------------------

@@ -427,12 +427,21 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
         delay_unscale: leave the gradients scaled, to accumulate more backward passes
             with the same ``loss_id``; the last pass before ``step()`` must not delay.
 
+    Each optimizer keeps the loss scalers of the ``initialize`` call that prepared it,
+    so models initialized separately (at different opt levels, say) train side by side.
+
     Raises:
-        RuntimeError: before ``initialize``; an optimizer it did not prepare; a pass that
-            mixes gradients scaled by two different loss_ids.
+        RuntimeError: an optimizer ``initialize`` did not prepare; optimizers from two
+            ``initialize`` calls in one pass; a pass that mixes gradients scaled by two
+            different loss_ids.
         ValueError: ``loss_id`` out of range.
     """
-    state = _current("scale_loss()")
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if _state is not None and _state.props is None and not any(
+            _amp_patch.info_of(o) for o in opts):
+        yield loss  # initialize(enabled=False)
+        return
+    state = _amp_patch.state_of(opts, _state)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int):
         raise TypeError(f"amp.scale_loss loss_id must be an int; got {loss_id!r}.")
     if not 0 <= loss_id < len(state.scalers):
@@ -440,11 +449,7 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
             f"amp.scale_loss loss_id={loss_id} is out of range: amp.initialize was called"
             f" with num_losses={len(state.scalers)}, so loss_id must be in"
             f" 0..{len(state.scalers) - 1}.")
-    if state.props is None:  # initialize(enabled=False)
-        yield loss
-        return
-    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    infos = [_amp_patch.info_of(opt, state) for opt in opts]
+    infos = [_amp_patch.info_of(opt) for opt in opts]
     backend = state.backend
     scaler = state.scalers[loss_id]
     if not state.props.scales_loss:
@@ -501,8 +506,8 @@ def opt_properties() -> OptProperties | None:
 
 
 def state_dict() -> dict[str, dict[str, Any]]:
-    """Every loss scale, as ``{"loss_scaler0": GradScaler.state_dict(), ...}``: plain
-    Python numbers, loadable on either backend."""
+    """Every loss scale of the latest ``initialize``, as ``{"loss_scaler0":
+    GradScaler.state_dict(), ...}``: plain Python numbers, loadable on either backend."""
     state = _current("state_dict()")
     return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(state.scalers)}
 

@@ -200,9 +200,24 @@ def test_scale_loss_before_initialize_and_with_foreign_optimizers(fake):
             pass
     model2, opt2 = make(fake)
     amp.initialize(model2, opt2)
-    with pytest.raises(RuntimeError, match="earlier amp.initialize"):
-        with amp.scale_loss(FakeTensor([1.0]), opt):
+    with pytest.raises(RuntimeError, match="prepared by 2 different amp.initialize"):
+        with amp.scale_loss(FakeTensor([1.0]), [opt, opt2]):
             pass
+
+
+def test_separately_initialized_models_keep_their_own_loss_scales(fake):
+    """Two initialize() calls (two opt levels, say) train side by side; amp.state_dict()
+    and amp.loss_scaler() speak for the latest."""
+    a, opt_a = make(fake, values=[(0.5, -1.0)])
+    amp.initialize(a, opt_a, opt_level="O1")
+    scaler_a = amp.loss_scaler()
+    b, opt_b = make(fake, values=[(0.5, -1.0)])
+    amp.initialize(b, opt_b, opt_level="O2")
+    step(a, opt_a, x=(math.inf, 1.0))
+    step(b, opt_b, x=(0.25, 0.5))
+    assert scaler_a.get_scale() == 2.0**15
+    assert amp.loss_scaler().get_scale() == 2.0**16 and amp.loss_scaler() is not scaler_a
+    assert (opt_a.steps, opt_b.steps) == (0, 1)
 
 
 def test_the_scaled_loss_and_true_scale_gradients(fake):
