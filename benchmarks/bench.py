@@ -1,4 +1,5 @@
-"""The benchmark CLI: ``python -m benchmarks.bench [--quick] [--tf32 both] [--out DIR]``.
+"""The benchmark CLI: ``python -m benchmarks.bench [--quick] [--tf32 both] [--sections ...]
+[--out DIR]``.
 
 For a ResNet-style conv net and a transformer block, on the backend named by
 ``UNIFIED_AMP_BACKEND`` and the device present (CUDA if the framework sees one):
@@ -39,6 +40,7 @@ from .timing import interleaved, round_ratios, spread
 
 PRECISIONS = (None, "float16", "bfloat16")  # None: the float32 baseline
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
+SECTIONS = ("throughput", "overhead", "opt-levels")
 MEMORY_STEPS = 2
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,6 +64,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         " device runs one thread anyway. Ignored on CUDA")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)}; a subset writes"
+                        " <backend>-<device>[-quick]-<sections>.json, so it never"
+                        " overwrites a full run")
     p.add_argument("--warmup", type=int, help="untimed steps per variant before timing")
     p.add_argument("--rounds", type=int, help="throughput rounds")
     p.add_argument("--steps", type=int, help="steps per variant per throughput round")
@@ -75,6 +81,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.workloads:
         p.error(f"--workloads: unknown {bad}; choose from {', '.join(WORKLOADS)}")
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in args.sections if s not in SECTIONS]
+    if bad or not args.sections:
+        p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     for name in ("threads", "warmup", "rounds", "steps", "overhead_rounds", "overhead_steps"):
         value, least = getattr(args, name), 0 if name in ("threads", "warmup") else 1
         if value is not None and value < least:
@@ -350,26 +360,32 @@ def main(argv: list[str] | None = None) -> int:
     per_overhead = 5 * (sched["warmup"] + sched["overhead_rounds"] * sched["overhead_steps"])
     per_levels = len(OPT_LEVELS) * (sched["warmup"] + sched["rounds"] * sched["steps"]
                                     + (MEMORY_STEPS if measure_memory else 0))
-    progress = _progress(len(args.workloads) * (len(tf32_passes) * per_pass + per_overhead
-                                                + per_levels))
+    sections = args.sections
+    per_workload = (len(tf32_passes) * per_pass * ("throughput" in sections)
+                    + per_overhead * ("overhead" in sections)
+                    + per_levels * ("opt-levels" in sections))
+    progress = _progress(len(args.workloads) * per_workload)
 
     workloads = {}
     for name in args.workloads:
         w = kit.build(name, sizes[name], args.seed)
         gm = amp.GradManager(w.params)
         passes = []
-        for tf32 in tf32_passes:
-            kit.tf32(tf32)
-            passes.append(throughput(kit, w, gm, tf32, sched, measure_memory, progress))
+        if "throughput" in sections:
+            for tf32 in tf32_passes:
+                kit.tf32(tf32)
+                passes.append(throughput(kit, w, gm, tf32, sched, measure_memory, progress))
         # The overhead runs under the first TF32 setting; it compares low-precision steps.
         kit.tf32(tf32_passes[0])
         workloads[name] = {"size": w.size, "batch": w.batch, "throughput": passes,
-                           "overhead": overhead(kit, w, gm, odtype, sched, progress),
+                           "overhead": (overhead(kit, w, gm, odtype, sched, progress)
+                                        if "overhead" in sections else None),
                            "overhead_tf32": tf32_passes[0]}
         del gm
         kit.release(w)
-        workloads[name]["opt_levels"] = opt_levels(kit, name, sizes[name], args.seed,
-                                                   odtype, sched, measure_memory, progress)
+        if "opt-levels" in sections:
+            workloads[name]["opt_levels"] = opt_levels(
+                kit, name, sizes[name], args.seed, odtype, sched, measure_memory, progress)
     progress.close()
 
     result = {
@@ -382,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "schedule": sched,
             "workloads": args.workloads,
+            "sections": sections,
             "overhead_dtype": odtype,
             "overhead_target": TARGET,
             "threads": args.threads,
@@ -400,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{backend}-{kit.device}" + ("-quick" if args.quick else "")
+    if list(sections) != list(SECTIONS):
+        stem += "-" + "-".join(sections)
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     report.write_json(result, json_path)
     report.plot(result, png_path)

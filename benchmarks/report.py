@@ -191,7 +191,8 @@ def _opt_level_lines(result: dict[str, Any]) -> list[str]:
 
 # -- the plot -------------------------------------------------------------------------
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Throughput bars per workload (IQR whiskers) and the overhead ratios, as a PNG."""
+    """Throughput bars per workload (IQR whiskers), the overhead ratios and the opt-level
+    ratios, as a PNG: one panel each, for the sections that ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,51 +201,69 @@ def plot(result: dict[str, Any], path: Path) -> None:
     workloads = result["workloads"]
     bars = max(sum(len(tp["variants"]) for tp in w["throughput"]) for w in workloads.values())
     panel = max(5.0, 1.1 * bars + 1.0)  # room for each bar's three-line label
-    levels = any(w.get("opt_levels") and not w["opt_levels"].get("skipped")
-                 for w in workloads.values())
-    extra = [5.5] + ([5.5] if levels else [])
-    fig, axes = plt.subplots(1, len(workloads) + len(extra), layout="constrained",
-                             figsize=(panel * len(workloads) + sum(extra), 4.8),
-                             width_ratios=[panel] * len(workloads) + extra)
+    panels: list[tuple[float, Any]] = []
+    if bars:
+        for wname, w in workloads.items():
+            panels.append((panel, lambda ax, wname=wname, w=w: _plot_throughput(ax, wname, w)))
+    if any(w.get("overhead") and not w["overhead"].get("skipped")
+           for w in workloads.values()):
+        panels.append((5.5, lambda ax: _plot_overhead(ax, result)))
+    if any(w.get("opt_levels") and not w["opt_levels"].get("skipped")
+           for w in workloads.values()):
+        panels.append((5.5, lambda ax: _plot_opt_levels(ax, workloads)))
+    widths = [width for width, _ in panels] or [5.5]
+    fig, axes = plt.subplots(1, len(widths), layout="constrained", squeeze=False,
+                             figsize=(max(sum(widths), 9.0), 4.8), width_ratios=widths)
+    for ax, (_, draw) in zip(axes[0], panels):
+        draw(ax)
+    cfg, m = result["config"], result["machine"]
+    threads = f", {m['threads']} CPU thread(s)" if m["device"] == "cpu" else ""
+    fig.suptitle(f"{cfg['backend']} {m['framework_version']} on {m['device_name']}{threads}"
+                 f" ({cfg['mode']} mode, {result['date'][:10]})", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_throughput(ax: Any, wname: str, w: dict[str, Any]) -> None:
     colors = {"float32": "#4c72b0", "float16": "#dd8452", "bfloat16": "#55a868"}
-    for ax, (wname, w) in zip(axes, workloads.items()):
-        labels, heights, errs, cols, notes = [], [], [[], []], [], []
-        for tp in w["throughput"]:
-            for prec, v in tp["variants"].items():
-                label = _SHORT[prec]
-                if tp["tf32"] is not None:
-                    label += f"\ntf32 {_tf32(tp['tf32'])}"
-                labels.append(label)
-                cols.append(colors[prec])
-                if v.get("skipped"):
-                    heights.append(0.0)
-                    errs[0].append(0.0)
-                    errs[1].append(0.0)
-                    notes.append("skipped")
-                    continue
-                lo, hi = v["samples_per_s_iqr"]
-                heights.append(v["samples_per_s"])
-                errs[0].append(max(v["samples_per_s"] - lo, 0.0))
-                errs[1].append(max(hi - v["samples_per_s"], 0.0))
-                note = f"{v['samples_per_s']:.4g}/s"
-                if v["speedup_vs_fp32"] is not None:
-                    note += f"\n{v['speedup_vs_fp32']['median']:.2f}x fp32"
-                if v["peak_memory_bytes"] is not None:
-                    note += f"\npeak {v['peak_memory_bytes'] / 2**30:.2f} GiB"
-                notes.append(note)
-        xs = range(len(labels))
-        ax.bar(xs, heights, yerr=errs, color=cols, capsize=4)
-        top = max([h + e for h, e in zip(heights, errs[1])] + [1.0])
-        for x, h, e, note in zip(xs, heights, errs[1], notes):
-            ax.text(x, h + e + top * 0.02, note, ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(list(xs), labels)
-        ax.set_ylim(0, top * 1.25)
-        ax.set_ylabel("samples / s (higher is better)")
-        size = ", ".join(f"{k}={v}" for k, v in w["size"].items())
-        ax.set_title(f"{wname}: training throughput\n{size}", fontsize=9)
-    if levels:
-        _plot_opt_levels(axes[-1], workloads)
-    ax = axes[len(workloads)]
+    labels, heights, errs, cols, notes = [], [], [[], []], [], []
+    for tp in w["throughput"]:
+        for prec, v in tp["variants"].items():
+            label = _SHORT[prec]
+            if tp["tf32"] is not None:
+                label += f"\ntf32 {_tf32(tp['tf32'])}"
+            labels.append(label)
+            cols.append(colors[prec])
+            if v.get("skipped"):
+                heights.append(0.0)
+                errs[0].append(0.0)
+                errs[1].append(0.0)
+                notes.append("skipped")
+                continue
+            lo, hi = v["samples_per_s_iqr"]
+            heights.append(v["samples_per_s"])
+            errs[0].append(max(v["samples_per_s"] - lo, 0.0))
+            errs[1].append(max(hi - v["samples_per_s"], 0.0))
+            note = f"{v['samples_per_s']:.4g}/s"
+            if v["speedup_vs_fp32"] is not None:
+                note += f"\n{v['speedup_vs_fp32']['median']:.2f}x fp32"
+            if v["peak_memory_bytes"] is not None:
+                note += f"\npeak {v['peak_memory_bytes'] / 2**30:.2f} GiB"
+            notes.append(note)
+    xs = range(len(labels))
+    ax.bar(xs, heights, yerr=errs, color=cols, capsize=4)
+    top = max([h + e for h, e in zip(heights, errs[1])] + [1.0])
+    for x, h, e, note in zip(xs, heights, errs[1], notes):
+        ax.text(x, h + e + top * 0.02, note, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylim(0, top * 1.25)
+    ax.set_ylabel("samples / s (higher is better)")
+    size = ", ".join(f"{k}={v}" for k, v in w["size"].items())
+    ax.set_title(f"{wname}: training throughput\n{size}", fontsize=9)
+
+
+def _plot_overhead(ax: Any, result: dict[str, Any]) -> None:
+    workloads = result["workloads"]
     names = ("unified", "scaler_only", "autocast_only", "contract_cost",
              "unified_same_dtypes")
     width = 0.8 / len(names)
@@ -277,12 +296,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"overhead ratios, {', '.join(_SHORT[d] for d in sorted(dtypes))}: median of"
                  " per-round ratios, IQR whiskers", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
-    cfg, m = result["config"], result["machine"]
-    threads = f", {m['threads']} CPU thread(s)" if m["device"] == "cpu" else ""
-    fig.suptitle(f"{cfg['backend']} {m['framework_version']} on {m['device_name']}{threads}"
-                 f" ({cfg['mode']} mode, {result['date'][:10]})", fontsize=10)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _plot_opt_levels(ax: Any, workloads: dict[str, Any]) -> None:
