@@ -3,6 +3,7 @@ O1 vs O2, checkpoints, the GAN with one loss scale per loss_id, clipping the mas
 accumulating with delay_unscale. Written once with ``gm.backward(scaled_loss)``, which
 both frameworks run (torch's ``scaled_loss.backward()`` form: tests/native)."""
 
+import pathlib
 import pickle
 
 import numpy as np
@@ -14,6 +15,7 @@ from .apex_table import COLUMNS, TABLE, expected
 from .loops import bits, state_bits
 
 LEVELS = sorted(TABLE)
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "APEX.md"
 
 
 class Net:
@@ -214,3 +216,14 @@ def test_delay_unscale_accumulation_equals_one_big_batch(kit, device):
         assert amp.loss_scaler().stats()["steps"] == 1
     for big, acc in zip(*grads):
         np.testing.assert_allclose(acc, big, rtol=2e-2, atol=2e-3)
+
+
+def test_docs_table_is_the_tested_table():
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "level":
+            assert tuple(cells[1:]) == COLUMNS
+        if cells[0] in TABLE:
+            rows[cells[0]] = tuple(cells[1:])
+    assert rows == TABLE
