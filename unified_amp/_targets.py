@@ -23,7 +23,8 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         TypeError: ``target`` is none of the three accepted kinds.
     """
     if hasattr(target, "attached_tensors"):  # amp.GradManager or MegEngine's own
-        params = list(target.attached_tensors())
+        # MegEngine's holds tensors weakly: a freed one comes back as None.
+        params = [p for p in target.attached_tensors() if p is not None]
     elif is_optimizer(target):
         params = [p for group in target.param_groups for p in group["params"]]
     elif backend.is_tensor(target):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Any
+from typing import Any, overload
 
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
@@ -17,12 +17,14 @@ _ALIASES = {"float16": "float16", "half": "float16", "fp16": "float16",
             "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 # The call forms users bring with them (see autocast's docstring), as signatures to bind.
-def _unified_form(enabled=True, dtype=None, *, device=None, low_prec_dtype=None,
-                  high_prec_dtype="float32", cache_enabled=None):
+def _unified_form(enabled: bool = True, dtype: Any = None, *, device: Any = None,
+                  contract: bool = True, low_prec_dtype: Any = None,
+                  high_prec_dtype: Any = "float32", cache_enabled: bool | None = None) -> None:
     pass
 
 
-def _torch_form(device_type, dtype=None, enabled=True, cache_enabled=None):
+def _torch_form(device_type: str, dtype: Any = None, enabled: bool = True,
+                cache_enabled: bool | None = None, *, contract: bool = True) -> None:
     pass
 
 
@@ -56,10 +58,30 @@ def _normalize_device(device: Any) -> str | None:
     # torch spells devices "cuda:0", MegEngine "gpu0", "cpu0", "xpux" (its default).
     match = re.fullmatch(r"(cpu|cuda|gpu|xpu)(\d+|x)?(:\d+)?", str(device).strip().lower())
     if match is None:
+        hint = ""
+        if isinstance(device, str) and device.strip().lower() in _ALIASES:
+            hint = (f" {device!r} is a dtype: the first positional argument of autocast is"
+                    f" torch's device_type; write autocast(dtype={device!r}).")
         raise ValueError(
-            f"autocast device must be 'cpu', 'cuda' or None (every device); got {device!r}."
+            f"autocast device must be 'cpu', 'cuda' or None (every device); got"
+            f" {device!r}.{hint}"
         )
     return {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "xpu": None}[match.group(1)]
+
+
+def _bind(args: tuple, kwargs: dict) -> tuple[bool, dict[str, Any]]:
+    torch_form = (bool(args) and isinstance(args[0], str)) or "device_type" in kwargs
+    try:
+        bound = (_TORCH_SIG if torch_form else _UNIFIED_SIG).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"autocast(): {exc}. Its call forms: autocast(enabled=True, dtype=None, *,"
+            f" device=None, contract=True), torch's autocast(device_type, dtype=None,"
+            f" enabled=True, cache_enabled=None) and megengine.amp's"
+            f" autocast(enabled=True, low_prec_dtype=..., high_prec_dtype='float32')."
+        ) from None
+    bound.apply_defaults()
+    return torch_form, dict(bound.arguments)
 
 
 class autocast:
@@ -79,6 +101,11 @@ class autocast:
             device's fast low precision: float16 on CUDA; on CPU bfloat16 where the
             backend computes it (torch) and float16 otherwise (MegEngine).
         device: "cpu", "cuda" or None for every device the tensors may live on.
+        contract: True (default) applies unified_amp's dtype contract, the same op
+            dtypes on both backends (docs/DTYPE_CONTRACT.md). False runs each
+            framework's own autocast op lists unchanged, so that a loop that also
+            swapped ``torch.autocast``/``megengine.amp.autocast`` for this one
+            reproduces a native run bit for bit.
 
     Raises:
         ValueError: a dtype or device that is not one of the above (on construction).
@@ -86,16 +113,24 @@ class autocast:
             compute ``dtype`` on that device (e.g. bfloat16 on MegEngine's CPU build).
     """
 
+    # What inspect.signature(autocast) shows; the overloads below are for type checkers.
+    __signature__ = _UNIFIED_SIG
+
+    @overload
+    def __init__(self, enabled: bool = True, dtype: Any = None, *, device: Any = None,
+                 contract: bool = True, low_prec_dtype: Any = None,
+                 high_prec_dtype: Any = "float32", cache_enabled: bool | None = None
+                 ) -> None: ...
+
+    @overload
+    def __init__(self, device_type: str, dtype: Any = None, enabled: bool = True,
+                 cache_enabled: bool | None = None, *, contract: bool = True) -> None: ...
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if args and isinstance(args[0], str):  # torch.autocast(device_type, dtype, enabled)
-            bound = _TORCH_SIG.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
+        torch_form, a = _bind(args, kwargs)
+        if torch_form:  # torch.autocast(device_type, dtype, enabled, cache_enabled)
             enabled, dtype, device = a["enabled"], a["dtype"], a["device_type"]
         else:
-            bound = _UNIFIED_SIG.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
             enabled, device = a["enabled"], a["device"]
             if a["dtype"] is not None and a["low_prec_dtype"] is not None:
                 raise TypeError(
@@ -110,16 +145,19 @@ class autocast:
                 )
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast enabled must be a bool; got {enabled!r}.")
+        if not isinstance(a["contract"], bool):
+            raise TypeError(f"autocast contract must be a bool; got {a['contract']!r}.")
         self.enabled = enabled
         self.dtype = _normalize_dtype(dtype)
         self.device = _normalize_device(device)
+        self.contract = a["contract"]
         self._tokens: list[Any] = []  # a stack, so one instance may be entered re-entrantly
 
     def __enter__(self) -> "autocast":
         backend = get_backend()
         if self.enabled:
             backend.check_precision(self.dtype, self.device)
-        token = backend.enter_autocast(self.enabled, self.dtype, self.device)
+        token = backend.enter_autocast(self.enabled, self.dtype, self.device, self.contract)
         self._tokens.append((backend, token))
         return self
 
@@ -136,7 +174,8 @@ class autocast:
         return wrapper
 
     def __repr__(self) -> str:
-        return f"autocast(enabled={self.enabled}, dtype={self.dtype!r}, device={self.device!r})"
+        return (f"autocast(enabled={self.enabled}, dtype={self.dtype!r}, device={self.device!r},"
+                f" contract={self.contract})")
 
 
 def is_autocast_enabled() -> bool:

@@ -1,27 +1,43 @@
 """``GradScaler``: dynamic loss scaling, one state machine for both frameworks.
 
-The state (scale, growth tracker, per-optimizer stage) lives here as plain Python
-numbers; adapters only scale tensors, run the fused check-and-unscale kernel and read
-its flag back. That flag read is the only device-to-host sync, once per unscale, so at
-most once per optimizer step.
+The state (scale, growth tracker, per-optimizer stage, the ledger of unscaled gradient
+generations) lives here as plain Python; adapters only scale tensors, run the fused
+check-and-unscale kernel and read its flag back. That read is the only device-to-host
+sync, at most once per optimizer step.
 
-One exception, for optimizers that skip a step on the device by themselves (torch's
-``fused=True`` Adam/AdamW/SGD read ``grad_scale``/``found_inf`` tensors): once such an
-optimizer steps, the adapter keeps the scale and growth tracker in device tensors and
-updates them with the framework's own kernel, so a step needs no sync at all. The stage
-logic below is the same in both modes; only where the arithmetic runs differs.
+**The call form decides the semantics**, so that a loop copied from either framework
+keeps its native behaviour:
+
+- torch.amp's forms (``scale(loss).backward()``, ``unscale_(optimizer)``,
+  ``step(optimizer)``) leave non-finite gradients in ``.grad`` and let ``step()`` skip,
+  as torch.amp does; the flag is read in ``step()``.
+- megengine.amp's forms (``backward(gm, loss)``, ``unscale(gm or tensors)``) read the
+  flag at once and, on an overflow, drop the gradients they checked (``.grad = None``),
+  so that any optimizer step, the optimizer's own included, leaves the weights alone.
+
+Both forms share the ledger (``_ledger.py``), so they compose: ``backward(gm, loss)``
+then ``step(optimizer)`` neither unscales twice nor forgets the verdict.
+
+One exception to "state on the host", for optimizers that skip a step on the device by
+themselves (torch's ``fused=True`` Adam/AdamW/SGD read ``grad_scale``/``found_inf``
+tensors): once such an optimizer steps, the adapter keeps the scale and growth tracker
+in device tensors and updates them with the framework's own kernel, so a step needs no
+sync at all. The stage logic is the same in both modes; only where the arithmetic runs
+differs.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import math
 import struct
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
+from ._ledger import Check, GradLedger
 from ._registry import get_backend
 from ._targets import is_optimizer, params_of
 
@@ -34,10 +50,20 @@ class _Stage(enum.Enum):
     STEPPED = 2
 
 
+class _OptState:
+    """One optimizer's progress through the current iteration (torch.amp's stages)."""
+
+    __slots__ = ("stage", "checks")
+
+    def __init__(self) -> None:
+        self.stage = _Stage.READY
+        self.checks: list[Check] = []  # the checks that covered its gradients
+
+
 def _f32(x: float) -> float:
     """``x`` rounded to float32, the precision torch keeps its scale in (inf past its range)."""
     try:
-        return struct.unpack("f", struct.pack("f", x))[0]
+        return float(struct.unpack("f", struct.pack("f", x))[0])
     except OverflowError:
         return math.copysign(math.inf, x)
 
@@ -101,19 +127,51 @@ def _check_factors(init_scale: Any, growth_factor: Any, backoff_factor: Any,
         )
 
 
-# The call forms users bring with them, as signatures to bind (see GradScaler's docstring).
-def _unified_form(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                  growth_interval=2000, enabled=True, *, device=None):
+# The call forms users bring with them (see GradScaler's docstring), as signatures to bind.
+def _unified_form(init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                  backoff_factor: float = 0.5, growth_interval: int = 2000,
+                  enabled: bool = True, *, device: str | None = None) -> None:
     pass
 
 
-def _torch_form(device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                growth_interval=2000, enabled=True):
+def _torch_form(device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                backoff_factor: float = 0.5, growth_interval: int = 2000,
+                enabled: bool = True) -> None:
     pass
 
 
 _UNIFIED_SIG = inspect.signature(_unified_form)
 _TORCH_SIG = inspect.signature(_torch_form)
+_CALL_FORMS = ("GradScaler(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,"
+               " growth_interval=2000, enabled=True, *, device=None) or torch.amp's"
+               " GradScaler(device, init_scale, ...)")
+
+
+def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The constructor's arguments, in either native's call form, with defaults."""
+    torch_form = bool(args) and isinstance(args[0], str)
+    try:
+        bound = (_TORCH_SIG if torch_form else _UNIFIED_SIG).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"GradScaler(): {exc}. Its call forms: {_CALL_FORMS}.") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _device_of_call(args: tuple, kwargs: dict) -> str | None:
+    device = args[0] if args and isinstance(args[0], str) else kwargs.get("device")
+    return None if device is None else str(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_grad_scaler_kwarg(optimizer_class: type) -> bool:
+    # torch's older contract for optimizers that unscale themselves: the scaler passes
+    # itself as step(grad_scaler=...). Asked once per class: inspect.signature is slow.
+    try:
+        return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
+    except (TypeError, ValueError):
+        return False
+
 
 _STATE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -127,16 +185,23 @@ class GradScaler:
         amp.GradScaler("cuda") / GradScaler(device="cpu", init_scale=...)   # torch.amp's
         amp.GradScaler(2.0**4)                    # megengine.amp's (positional init_scale)
 
-    Automatic mode: ``scaler.backward(gm, loss)`` then ``optimizer.step()``.
+    Automatic mode: ``scaler.backward(gm, loss)`` then ``optimizer.step()`` or
+    ``scaler.step(optimizer)``.
     Manual mode: ``gm.backward(scaler.scale(loss))`` (any number of times) -> custom
     gradient ops on scaled grads -> ``scaler.unscale(target)`` -> custom ops on true
     grads (clipping) -> ``scaler.step(optimizer)`` or the optimizer's own step ->
     ``scaler.update()``.
+    torch.amp's loop: ``scaler.scale(loss).backward()`` -> [``scaler.unscale_(opt)``]
+    -> ``scaler.step(opt)`` -> ``scaler.update()``.
 
-    When any unscaled gradient is inf/NaN, the gradients that were checked are dropped
-    (set to None) so that no optimizer step can touch their parameters, ``step()`` skips
-    the optimizer, and ``update()`` multiplies the scale by ``backoff_factor``. After
-    ``growth_interval`` clean updates in a row the scale grows by ``growth_factor``.
+    On an inf/NaN gradient the step is skipped and ``update()`` multiplies the scale by
+    ``backoff_factor``; after ``growth_interval`` clean updates in a row the scale grows
+    by ``growth_factor``. ``unscale()`` and ``backward()`` (megengine.amp's names) drop
+    the overflowed gradients so that any optimizer step is safe; ``unscale_()`` and
+    ``step()`` (torch.amp's names) leave them in ``.grad``.
+
+    On the torch backend the instance is also a ``torch.amp.GradScaler`` (and, made for
+    CUDA, a ``torch.cuda.amp.GradScaler``), so runners that check ``isinstance`` accept it.
 
     Args:
         init_scale: the first scale, a positive finite number.
@@ -148,13 +213,30 @@ class GradScaler:
             CUDA disables the scaler with a warning, as torch.amp does.
     """
 
+    # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
+    __signature__ = _UNIFIED_SIG
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GradScaler":
+        if cls is GradScaler:
+            # The adapter may name a subclass that is also its framework's own scaler
+            # class (torch.amp.GradScaler), so that isinstance checks in runners pass.
+            choose = getattr(get_backend(), "scaler_class", None)
+            if choose is not None:
+                cls = choose(_device_of_call(args, kwargs))
+        return super().__new__(cls)
+
+    @overload
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True, *, device: str | None = None) -> None: ...
+
+    @overload
+    def __init__(self, device: str, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True) -> None: ...
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if args and isinstance(args[0], str):
-            bound = _TORCH_SIG.bind(*args, **kwargs)
-        else:
-            bound = _UNIFIED_SIG.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = _bind(args, kwargs)
         _check_factors(a["init_scale"], a["growth_factor"], a["backoff_factor"],
                        a["growth_interval"])
         if not isinstance(a["enabled"], bool):
@@ -173,16 +255,20 @@ class GradScaler:
                 )
                 self._enabled = False
         self._device = device
-        self._scale = _f32(float(a["init_scale"]))
+        self._scale_value = _f32(float(a["init_scale"]))
         self._growth_factor = float(a["growth_factor"])
         self._backoff_factor = float(a["backoff_factor"])
         self._growth_interval = a["growth_interval"]
-        self._growth_tracker = 0
+        self._tracker = 0
         self._steps = 0
         self._skipped_steps = 0
         self._last_step_skipped = False
         self._as_of_step = 0  # the step the telemetry describes (lags only in device mode)
         self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
+        self._ledger = GradLedger()
+        self._updated_by_backward = False  # the last update() was backward()'s own
+        # optimizer id -> the checks behind its last step after backward()'s update()
+        self._tail: dict[int, list[Check]] = {}
         self._new_iteration()
 
     # -- internals ----------------------------------------------------------------------
@@ -192,15 +278,26 @@ class GradScaler:
         return self._backend
 
     def _new_iteration(self) -> None:
-        # What happened since the last update(), keyed by id() like torch.amp: the keys
-        # only live for one iteration, so a recycled id cannot leak into the next.
-        self._opt_stage: dict[int, _Stage] = {}
-        # checked params -> whether their check found inf/NaN: a bool once read on the
-        # host, or the adapter's unread device flag (fused optimizers, device mode)
-        self._param_found: dict[int, Any] = {}
-        self._checked = False  # any check ran (even over no gradients)
-        self._found_inf = False  # an inf/NaN was seen on the host
-        self._flags: list[Any] = []  # device mode: every flag, read or not, for update()
+        # What happened since the last update(): per-optimizer stages keyed by id() as in
+        # torch.amp (the keys live for one iteration only), and every check, for update().
+        self._opt_states: dict[int, _OptState] = {}
+        self._checks: list[Check] = []
+        # How the scale was handed out since the last update: through outputs whose
+        # backward the adapter can watch, or in a way it cannot (scale_factor, dy=...).
+        self._handed_watched = False
+        self._handed_blind = False
+        self._saw_backward = False
+
+    def _opt_state(self, optimizer: Any) -> _OptState:
+        state = self._opt_states.get(id(optimizer))
+        if state is None:
+            state = self._opt_states[id(optimizer)] = _OptState()
+        return state
+
+    @property
+    def _version(self) -> Any:
+        """The adapter's gradient version counter, or a stand-in that has none."""
+        return getattr(self._be(), "grad_version", _no_version)
 
     def _steps_on_device(self, optimizer: Any) -> bool:
         backend = self._be()
@@ -208,43 +305,118 @@ class GradScaler:
         if supported is None or not supported(optimizer):
             return False
         if self._dev is None:
-            self._dev = backend.device_scale(optimizer, self._scale, self._growth_tracker,
+            self._dev = backend.device_scale(optimizer, self._scale_value, self._tracker,
                                              self._skipped_steps)
         return True
 
     def _inv_scale(self) -> float:
         # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
         # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
-        return 1.0 / self._scale if self._scale else math.inf
+        return 1.0 / self._scale_value if self._scale_value else math.inf
 
-    def _check(self, params: list[Any], *, unscale: bool = True, read: bool = True) -> Any:
+    def _read(self, flag: Any) -> bool:
+        return bool(self._be().flag_is_set(flag))
+
+    def _split(self, params: list[Any]) -> tuple[list[Any], list[Check]]:
+        """``params`` with a gradient that still needs unscaling, and the checks that
+        already covered the rest (from the ledger)."""
+        pending, done = [], {}
+        version = self._version
+        for p in params:
+            check = self._ledger.lookup(p, version)
+            if check is not None:
+                done[id(check)] = check
+            elif p.grad is not None:
+                pending.append(p)
+        return pending, list(done.values())
+
+    def _require_scaled(self, what: str) -> None:
+        """Raises if unscaling now would shrink gradients that were never scaled."""
+        fix = ("This may indicate your script did not use scaler.scale(loss or outputs)"
+               " earlier in the iteration.")
+        if not (self._handed_watched or self._handed_blind):
+            raise RuntimeError(
+                f"Attempted {what} but nothing was scaled since the last update().  {fix}"
+                f" Unscaling now would divide unscaled gradients by the scale"
+                f" ({self._scale_value:g}); call scaler.scale(loss).backward(),"
+                f" gm.backward(scaler.scale(loss)) or scaler.backward(gm, loss) first."
+            )
+        if self._handed_watched and not self._handed_blind and not self._saw_backward:
+            raise RuntimeError(
+                f"Attempted {what} but no backward pass has gone through a scaler.scale()"
+                f" output since the last update(): these gradients were not produced by a"
+                f" scaled loss, and unscaling would divide them by the scale"
+                f" ({self._scale_value:g}). Call .backward() on scaler.scale(loss), not on"
+                f" the loss itself."
+            )
+
+    def _check(self, params: list[Any], *, unscale: bool = True, read: bool = True,
+               allow_fp16: bool = False) -> Check:
         """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
-        them too unless a fused optimizer will. Returns the host bool when ``read``
-        (the sync), else the device flag."""
+        them too unless a fused optimizer will. ``read`` reads the verdict at once (the
+        sync); otherwise it is read when first needed."""
         backend = self._be()
         grads = backend.grads(params)
-        for dtype in {g.dtype for g in grads}:
-            if backend.dtype_name(dtype) == "float16":
-                raise ValueError(
-                    "Attempting to unscale FP16 gradients. GradScaler needs float32"
-                    " parameters (and so float32 gradients): keep the model in float32 and"
-                    " let autocast run the low-precision ops."
-                )
-        found: Any = False
-        if grads:
+        if not allow_fp16:
+            for dtype in {g.dtype for g in grads}:
+                if backend.dtype_name(dtype) == "float16":
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients. GradScaler needs float32"
+                        " parameters (and so float32 gradients): keep the model in float32"
+                        " and let autocast run the low-precision ops."
+                    )
+        if not grads:
+            check = Check(None, False)
+        else:
             if self._dev is not None:
                 flag = self._dev.unscale_and_check(grads) if unscale else self._dev.check(grads)
-                self._flags.append(flag)
             else:
-                flag = backend.unscale_and_check(grads, self._inv_scale())
-            found = backend.flag_is_set(flag) if read else flag  # the one sync
-        if found is True:
-            backend.drop_grads(params)
-            self._found_inf = True
-        for p in params:
-            self._param_found[id(p)] = found
-        self._checked = True
-        return found
+                flag = backend.unscale_and_check(grads, self._inv_scale() if unscale else 1.0)
+            check = Check(flag, None)
+            if read:
+                check.verdict(self._read)  # the one sync
+        self._checks.append(check)
+        return check
+
+    def _unscale(self, target: Any, what: str, *, drop: bool) -> None:
+        """unscale()/unscale_(): the shared part. ``drop``: megengine.amp's form."""
+        state = None
+        if is_optimizer(target):
+            state = self._opt_state(target)
+            if state.stage is _Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last"
+                    " update(). Unscaling twice would divide its gradients by the scale"
+                    " twice; call scaler.update() to finish the iteration first."
+                )
+            if state.stage is _Stage.STEPPED:
+                raise RuntimeError(
+                    "unscale_() is being called after step(). Unscale before"
+                    " scaler.step(optimizer) (step() unscales by itself when you don't)."
+                )
+        params = params_of(target, self._be(), f"GradScaler.{what}")
+        pending, done = self._split(params)
+        if done:
+            raise RuntimeError(
+                f"{what} has already been called on these gradients: no scaled backward"
+                f" pass has written them since they were unscaled. Unscaling twice would"
+                f" divide them by the scale twice. Unscale each set of gradients once,"
+                f" after all of its backward passes (scaler.backward(gm, loss) already"
+                f" unscales unless unscale_grad=False)."
+            )
+        if pending:
+            self._require_scaled(what)
+        if state is not None:
+            self._steps_on_device(target)  # a fused optimizer moves the scale to the device
+        # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
+        # in step(), as torch.amp does.
+        check = self._check(pending, read=drop)
+        if drop and check.found:
+            self._be().drop_grads(pending)
+        self._ledger.record(pending, check, self._version)
+        if state is not None:
+            state.stage = _Stage.UNSCALED
+            state.checks.append(check)
 
     # -- loss scaling -------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -252,22 +424,34 @@ class GradScaler:
         if not self._enabled:
             return outputs
         backend = self._be()
+        watch = getattr(backend, "watch_backward", None)
 
-        def apply(val: Any) -> Any:
+        def apply(val: Any, where: str) -> Any:
             if backend.is_tensor(val):
-                if self._dev is not None:
-                    return self._dev.scale(val)
-                return backend.scale(val, self._scale)
+                out = self._dev.scale(val) if self._dev is not None else backend.scale(
+                    val, self._scale_value)
+                if watch is not None and watch(out, self._on_scaled_backward):
+                    self._handed_watched = True
+                else:
+                    self._handed_blind = True
+                    self._ledger.new_backward()  # a backward may follow unseen
+                return out
             if isinstance(val, (list, tuple)):
-                return type(val)(apply(v) for v in val)
+                return type(val)(apply(v, f"{where}[{i}]") for i, v in enumerate(val))
             if isinstance(val, Iterable) and not isinstance(val, (str, bytes, Mapping)):
-                return map(apply, val)
+                return map(lambda v: apply(v, f"{where}[...]"), val)
             raise ValueError(
-                f"GradScaler.scale() expects a {backend.name} tensor or an iterable of"
-                f" them; got {type(val).__name__}."
+                f"GradScaler.scale() expects a {backend.name} tensor or a list/tuple of"
+                f" them; {where} is {type(val).__name__} {_short(val)}. Scale only the"
+                f" loss (or outputs) you call backward on."
             )
 
-        return apply(outputs)
+        return apply(outputs, "outputs")
+
+    def _on_scaled_backward(self) -> None:
+        # Called by the adapter when a backward pass runs through a scale() output.
+        self._saw_backward = True
+        self._ledger.new_backward()
 
     def backward(self, gm: Any, y: Any = None, dy: Any = None, *,
                  unscale_grad: bool = True, update_scale: bool = True) -> None:
@@ -281,7 +465,18 @@ class GradScaler:
                 backward passes and unscale once with ``unscale(gm)``.
             update_scale: whether to ``update()`` after unscaling (ignored when
                 ``unscale_grad`` is False).
+
+        Raises:
+            TypeError: ``gm`` is not a GradManager.
         """
+        if not (hasattr(gm, "backward") and hasattr(gm, "attached_tensors")):
+            hint = (" (that is an optimizer: in automatic mode the optimizer steps after"
+                    " scaler.backward(gm, loss), or through scaler.step(optimizer))"
+                    if is_optimizer(gm) else "")
+            raise TypeError(
+                f"GradScaler.backward() expects a GradManager (amp.GradManager or"
+                f" MegEngine's own) as its first argument; got {type(gm).__name__}{hint}."
+            )
         if not self._enabled:
             gm.backward(y, dy)
             return
@@ -298,63 +493,59 @@ class GradScaler:
         if self._dev is not None:
             cotangents = self._dev.scaled_cotangents(ys, dys)
         else:
-            cotangents = self._be().scaled_cotangents(ys, dys, self._scale)
+            cotangents = self._be().scaled_cotangents(ys, dys, self._scale_value)
+        # This backward writes a new generation of gm's gradients.
+        self._ledger.forget([p for p in gm.attached_tensors() if p is not None])
+        self._ledger.new_backward()
+        self._handed_blind = True
         gm.backward(ys, cotangents)
         if unscale_grad:
             self.unscale(gm)
             if update_scale:
                 self.update()
+                self._updated_by_backward = True
 
     def unscale(self, target: Any) -> "GradScaler":
-        """Divides the gradients of ``target`` by the scale, in place, and checks them.
+        """Divides the gradients of ``target`` by the scale, in place, and checks them
+        (megengine.amp's form). On an inf/NaN the checked gradients are dropped
+        (``.grad = None``), so any optimizer step then leaves their parameters alone.
 
         ``target`` is a GradManager, an optimizer, or an iterable of parameters. Call it
-        once per iteration for a given set of gradients, after all of their backward
-        passes; returns self (megengine.amp's chaining).
+        once per set of gradients, after all of their backward passes. Returns self
+        (megengine.amp's chaining).
 
         Raises:
-            RuntimeError: these gradients were already unscaled since the last
-                ``update()``, or their optimizer already stepped.
+            RuntimeError: these gradients were unscaled already; their optimizer already
+                stepped; or nothing was scaled since the last ``update()``.
             ValueError: a gradient is float16.
         """
-        if not self._enabled:
-            return self
-        if is_optimizer(target):
-            stage = self._opt_stage.get(id(target), _Stage.READY)
-            if stage is _Stage.UNSCALED:
-                raise RuntimeError(
-                    "unscale_() has already been called on this optimizer since the last"
-                    " update(). Unscaling twice would divide its gradients by the scale"
-                    " twice; call scaler.update() to finish the iteration first."
-                )
-            if stage is _Stage.STEPPED:
-                raise RuntimeError(
-                    "unscale_() is being called after step(). Unscale before"
-                    " scaler.step(optimizer) (step() unscales by itself when you don't)."
-                )
-        params = params_of(target, self._be(), "GradScaler.unscale()")
-        again = [p for p in params if id(p) in self._param_found]
-        if again:
-            raise RuntimeError(
-                f"unscale() has already been called on these gradients since the last"
-                f" update() ({len(again)} of the {len(params)} parameters given were"
-                f" unscaled already). Unscaling twice would divide them by the scale twice;"
-                f" call scaler.update() before unscaling them again."
-            )
-        # A fused optimizer skips on the device, so its flag need not come to the host.
-        on_device = is_optimizer(target) and self._steps_on_device(target)
-        self._check(params, read=not on_device)
-        if is_optimizer(target):
-            self._opt_stage[id(target)] = _Stage.UNSCALED
+        if self._enabled:
+            self._unscale(target, "unscale()", drop=True)
         return self
 
-    unscale_ = unscale  # torch.amp's name
+    def unscale_(self, optimizer: Any) -> None:
+        """torch.amp's ``unscale_``: divides the optimizer's gradients by the scale in
+        place and checks them, leaving any inf/NaN in ``.grad`` (``step()`` then skips).
+
+        The verdict is read in ``step()`` (or ``update()``), as torch.amp does. Also
+        accepts a GradManager or an iterable of parameters.
+
+        Raises:
+            RuntimeError: as ``unscale()``.
+        """
+        if self._enabled:
+            self._unscale(optimizer, "unscale_()", drop=False)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscales ``optimizer``'s gradients if not yet done, then steps it unless an
-        inf/NaN gradient was found for its parameters since the last ``update()``.
+        inf/NaN was found in them.
 
         Returns what ``optimizer.step(*args, **kwargs)`` returns, or None if skipped.
+
+        Raises:
+            RuntimeError: the optimizer already stepped since the last ``update()``; its
+                gradients need unscaling but nothing was scaled since the last update;
+                it has no gradients and none were checked; or a ``closure`` was given.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -367,84 +558,134 @@ class GradScaler:
                 f"GradScaler.step() expects an optimizer (an object with param_groups and"
                 f" step()); got {type(optimizer).__name__}."
             )
-        key = id(optimizer)
-        stage = self._opt_stage.get(key, _Stage.READY)
-        if stage is _Stage.STEPPED:
+        state = self._opt_state(optimizer)
+        if state.stage is _Stage.STEPPED:
             raise RuntimeError(
                 "step() has already been called since the last update(). Call"
                 " scaler.update() once per iteration, after stepping every optimizer."
             )
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and \
+                _takes_grad_scaler_kwarg(type(optimizer)):
+            # The optimizer unscales and checks by itself, asking this scaler.
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the"
+                " passed optimizer. In the near future GradScaler registers `grad_scale:"
+                " Tensor` and `found_inf: Tensor` to the passed optimizer and let the"
+                " optimizer use them directly.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            result = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
+            state.stage = _Stage.STEPPED
+            return result
         on_device = self._steps_on_device(optimizer)
         params = params_of(optimizer, self._be(), "GradScaler.step()")
+        pending, done = self._split(params)
+        if state.stage is _Stage.READY and not pending and done and not any(
+                c is k for c in done for k in self._checks):
+            # Every gradient was decided by checks that an update() already consumed:
+            # scaler.backward(gm, loss) then step(opt). This step ends that iteration.
+            return self._tail_step(optimizer, done, on_device, args, kwargs)
+        checks = list(state.checks)
+        checks += [c for c in done if all(c is not k for k in checks)]
         fused_unscale = False
-        if stage is _Stage.READY:
-            # Gradients unscaled through a GradManager or a parameter list are not
-            # unscaled again; the rest are, in one fused call.
-            pending = [p for p in params if id(p) not in self._param_found]
+        if state.stage is _Stage.READY and pending:
+            self._require_scaled("step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = on_device and len(pending) == len(params)
-            if pending:
-                self._check(pending, unscale=not fused_unscale, read=not on_device)
-        found = [self._param_found.get(id(p), False) for p in params]
-        if not on_device:  # an ordinary optimizer needs every verdict on the host
-            verdicts: dict[int, bool] = {}
-            for f in found:
-                if not isinstance(f, bool) and id(f) not in verdicts:
-                    verdicts[id(f)] = self._be().flag_is_set(f)
-            found = [verdicts.get(id(f), f) for f in found]
-        if any(f is True for f in found):
-            result = None
-        elif on_device:
-            flags = list({id(f): f for f in found if f is not False}.values())
-            result = self._dev.step(optimizer, fused_unscale, flags, args, kwargs)
-        else:
-            result = optimizer.step(*args, **kwargs)
-        self._opt_stage[key] = _Stage.STEPPED
+            fused_unscale = on_device and not done
+            check = self._check(pending, unscale=not fused_unscale, read=False,
+                                allow_fp16=fused_unscale)
+            if not fused_unscale:
+                self._ledger.record(pending, check, self._version)
+            checks.append(check)
+        if not checks and not on_device:
+            raise RuntimeError(
+                "No inf checks were recorded for this optimizer: none of its parameters"
+                " has a gradient. Run the scaled backward pass before"
+                " scaler.step(optimizer)."
+            )
+        result = self._step_unless_found(optimizer, checks, on_device, fused_unscale,
+                                         args, kwargs)
+        state.stage = _Stage.STEPPED
+        state.checks = checks  # every check that decided this step
         return result
+
+    def _step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
+                           fused_unscale: bool, args: tuple, kwargs: dict) -> Any:
+        if any(c.found is True for c in checks):
+            return None
+        if on_device:
+            return self._dev.step(optimizer, fused_unscale,
+                                  [c.flag for c in checks if c.flag is not None],
+                                  args, kwargs)
+        if any(c.verdict(self._read) for c in checks):  # the one sync per step
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _tail_step(self, optimizer: Any, checks: list[Check], on_device: bool,
+                   args: tuple, kwargs: dict) -> Any:
+        previous = self._tail.get(id(optimizer))
+        if previous is not None and len(previous) == len(checks) and all(
+                any(c is k for k in previous) for c in checks):
+            raise RuntimeError(
+                "step() has already been called on these gradients: scaler.backward(gm,"
+                " loss) unscaled them and called update(), and scaler.step(optimizer)"
+                " then stepped them once. Run the next backward pass first."
+            )
+        self._tail[id(optimizer)] = checks
+        return self._step_unless_found(optimizer, checks, on_device, False, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the
         last update, else counts a clean step (and grows after ``growth_interval``).
 
         Args:
-            new_scale: set this scale instead (a positive finite number).
+            new_scale: set this scale instead (a positive finite number, or a 1-element
+                tensor).
 
         Raises:
-            RuntimeError: nothing was unscaled since the last update (and no new_scale).
+            RuntimeError: nothing was unscaled or checked since the last update (and no
+                new_scale).
         """
         if not self._enabled:
             return
         if new_scale is not None:
             new_scale = self._valid_scale(new_scale, "update(new_scale=...)")
-        elif not self._checked:
-            raise self._nothing_unscaled()
+        elif not self._checks:
+            raise self._nothing_checked()
+        checked = bool(self._checks)
         if self._dev is not None:
-            if self._checked:
+            if checked:
                 self._steps += 1
-            self._dev.update(self._found_inf, self._flags, self._growth_factor,
+            found_host = any(c.found is True for c in self._checks)
+            flags = [c.flag for c in self._checks if c.found is None]
+            self._dev.update(found_host, flags, self._growth_factor,
                              self._backoff_factor, self._growth_interval,
-                             steps=self._steps, count=self._checked, new_scale=new_scale)
+                             steps=self._steps, count=checked, new_scale=new_scale)
         else:
+            found = any([c.verdict(self._read) for c in self._checks])
             if new_scale is not None:
-                self._scale = new_scale
+                self._scale_value = new_scale
             else:
-                self._scale, self._growth_tracker = next_scale(
-                    self._scale, self._growth_tracker, self._found_inf,
+                self._scale_value, self._tracker = next_scale(
+                    self._scale_value, self._tracker, found,
                     self._growth_factor, self._backoff_factor, self._growth_interval,
                 )
-            if self._checked:
-                self._count_step(self._found_inf)
+            if checked:
+                self._count_step(found)
+        self._updated_by_backward = False
+        self._ledger.prune()
         self._new_iteration()
 
-    @staticmethod
-    def _nothing_unscaled() -> RuntimeError:
-        return RuntimeError(
-            "update() was called, but no gradients were unscaled since the last"
-            " update(), so there is nothing to decide the new scale from. Call"
-            " scaler.step(optimizer) or scaler.unscale(...) first, or pass"
-            " update(new_scale=...)."
-        )
+    def _nothing_checked(self) -> RuntimeError:
+        hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"
+                " called update(); drop this update() call, or pass"
+                " backward(..., update_scale=False) to update yourself."
+                if self._updated_by_backward else
+                " Call scaler.step(optimizer), scaler.unscale_(optimizer) or"
+                " scaler.unscale(gm) first, or pass update(new_scale=...).")
+        return RuntimeError("No inf checks were recorded prior to update()." + hint)
 
     def _count_step(self, skipped: bool) -> None:
         self._steps += 1
@@ -453,7 +694,7 @@ class GradScaler:
         self._as_of_step = self._steps
 
     def _set_scale(self, value: float) -> None:
-        self._scale = value
+        self._scale_value = value
         if self._dev is not None:
             self._dev.load(value, None)
 
@@ -461,7 +702,7 @@ class GradScaler:
         """Reads the device-resident scale and tracker back (a sync, as torch.amp's
         get_scale() is)."""
         if self._dev is not None:
-            self._scale, self._growth_tracker = self._dev.read()
+            self._scale_value, self._tracker = self._dev.read()
 
     def _valid_scale(self, value: Any, what: str) -> float:
         if not _is_number(value):
@@ -486,11 +727,15 @@ class GradScaler:
         if not self._enabled:
             return 1.0
         self._sync_from_device()
-        return self._scale
+        return self._scale_value
 
     @property
     def scale_factor(self) -> float:
-        """megengine.amp's name for the current scale; assignable."""
+        """megengine.amp's name for the current scale; assignable.
+
+        Reading it counts as handing the scale out (megengine.amp's manual mode passes
+        it as ``dy`` to ``gm.backward``)."""
+        self._handed_blind = True
         return self.get_scale()
 
     @scale_factor.setter
@@ -498,6 +743,7 @@ class GradScaler:
         self._set_scale(self._valid_scale(value, "scale_factor"))
 
     def is_enabled(self) -> bool:
+        """Whether this scaler scales (False: every method is a pass-through)."""
         return self._enabled
 
     def stats(self) -> dict[str, Any]:
@@ -512,11 +758,11 @@ class GradScaler:
         if self._enabled and self._dev is not None:
             snapshot = self._dev.poll()
             if snapshot is not None:
-                (self._as_of_step, self._scale, self._growth_tracker, self._skipped_steps,
+                (self._as_of_step, self._scale_value, self._tracker, self._skipped_steps,
                  self._last_step_skipped) = snapshot
         return {
-            "scale": self._scale if self._enabled else 1.0,
-            "growth_tracker": self._growth_tracker,
+            "scale": self._scale_value if self._enabled else 1.0,
+            "growth_tracker": self._tracker,
             "steps": self._steps,
             "skipped_steps": self._skipped_steps,
             "last_step_skipped": self._last_step_skipped,
@@ -528,21 +774,24 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        _check_factors(self._scale, new_factor, self._backoff_factor, self._growth_interval)
+        _check_factors(self._scale_value, new_factor, self._backoff_factor,
+                       self._growth_interval)
         self._growth_factor = float(new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        _check_factors(self._scale, self._growth_factor, new_factor, self._growth_interval)
+        _check_factors(self._scale_value, self._growth_factor, new_factor,
+                       self._growth_interval)
         self._backoff_factor = float(new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        _check_factors(self._scale, self._growth_factor, self._backoff_factor, new_interval)
+        _check_factors(self._scale_value, self._growth_factor, self._backoff_factor,
+                       new_interval)
         self._growth_interval = new_interval
 
     # -- checkpointing ------------------------------------------------------------------
@@ -553,11 +802,11 @@ class GradScaler:
             return {}
         self._sync_from_device()
         return {
-            "scale": self._scale,
+            "scale": self._scale_value,
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
-            "_growth_tracker": self._growth_tracker,
+            "_growth_tracker": self._tracker,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -602,16 +851,16 @@ class GradScaler:
                 raise ValueError(f"_growth_tracker must be an int >= 0; got {tracker!r}.")
         except (TypeError, ValueError) as exc:
             raise ValueError(f"GradScaler state dict is malformed: {exc}") from None
-        self._scale = _f32(float(scale))
+        self._scale_value = _f32(float(scale))
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = state_dict["growth_interval"]
-        self._growth_tracker = tracker
+        self._tracker = tracker
         if self._dev is not None:
-            self._dev.load(self._scale, tracker)
+            self._dev.load(self._scale_value, tracker)
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._opt_stage or self._checked:
+        if self._opt_states or self._checks:
             raise RuntimeError(
                 "A GradScaler instance may only be pickled at the beginning of an"
                 " iteration, or at the end after scaler.update()."
@@ -620,7 +869,12 @@ class GradScaler:
         state = self.__dict__.copy()
         state["_backend"] = None  # re-resolved on first use after unpickling
         state["_dev"] = None  # device tensors are remade at the next fused step
+        state["_ledger"] = GradLedger()  # it refers to live tensors, weakly
+        state["_tail"] = {}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (
@@ -630,8 +884,17 @@ class GradScaler:
         )
 
 
+def _no_version(grad: Any) -> None:
+    return None
+
+
 def _numel(t: Any) -> int:
     n = 1
     for d in t.shape:
         n *= int(d)
     return n
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -166,7 +166,7 @@ class FakeBackend:
         if dtype in self.refuse:
             raise UnsupportedPrecisionError(f"fake backend cannot compute {dtype}")
 
-    def enter_autocast(self, enabled, dtype, device):
+    def enter_autocast(self, enabled, dtype, device, contract=True):
         self.autocast_state.append((enabled, dtype))
         return len(self.autocast_state) - 1
 

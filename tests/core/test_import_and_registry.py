@@ -26,13 +26,27 @@ def test_importing_the_package_imports_no_framework():
         import sys
         import unified_amp, unified_amp.backends
         from unified_amp import autocast, GradScaler, GradManager, clip_grad_norm
-        amp_scaler = GradScaler()          # construction alone needs no framework
-        unified_amp.available_backends()   # nor does listing what is installed
+        unified_amp.available_backends()   # listing what is installed imports nothing
+        autocast(dtype="float16")          # nor does making (not entering) an autocast
         loaded = [m for m in ("torch", "megengine", "numpy") if m in sys.modules]
         print(loaded)
         sys.exit(1 if loaded else 0)
     """)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", [n for n in FRAMEWORKS if importlib.util.find_spec(n)])
+def test_a_scaler_loads_only_the_selected_framework(name):
+    """GradScaler() resolves the backend (on torch it must be a torch.amp.GradScaler
+    from the start), and imports that framework alone."""
+    other = [n for n in FRAMEWORKS if n != name][0]
+    proc = _run(f"""
+        import sys
+        import unified_amp
+        scaler = unified_amp.GradScaler()
+        print({name!r} in sys.modules, {other!r} in sys.modules)
+    """, UNIFIED_AMP_BACKEND=name)
+    assert proc.stdout.split()[-2:] == ["True", "False"], proc.stdout + proc.stderr
 
 
 def test_available_backends_lists_installed_frameworks_in_auto_order():

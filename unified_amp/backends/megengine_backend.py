@@ -221,13 +221,14 @@ class MegEngineBackend:
                 " asynchronously. Use dtype='float16' (or None) with MegEngine on CPU."
             )
 
-    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
-        if enabled:
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                       contract: bool = True) -> Any:
+        if enabled and contract:
             # Installed by the first enabled block, not on load: a drop-in user who
             # only swaps GradScaler keeps MegEngine's functions untouched.
             _install_policy()
         saved = _set_autocast(enabled, dtype or "float16")
-        _policy_stack.append(enabled)
+        _policy_stack.append(enabled and contract)
         return saved
 
     def exit_autocast(self, token: Any) -> None:

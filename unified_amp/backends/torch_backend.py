@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import collections
-import functools
-import inspect
 import threading
 from collections import defaultdict
 from typing import Any, Sequence
 
 import torch
+from torch.amp.grad_scaler import OptState
 
+from unified_amp import scaler as _core
 from unified_amp.errors import UnsupportedPrecisionError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -126,18 +126,18 @@ class _Tape:
         torch.autograd.backward(list(ys), grad_tensors=list(dys), inputs=self.params)
 
 
-def _check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
-                       found_on: torch.device | None = None) -> torch.Tensor:
+def _check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any
+                                  ) -> dict[torch.device, torch.Tensor]:
     """torch's fused kernel over grads of any devices/dtypes (it takes one of each per
-    call); ``inv_scale`` is a float or a float32 0-dim tensor. Returns one found_inf
-    flag (float32, on ``found_on`` or the first gradient's device). No host sync."""
+    call); ``inv_scale`` is a float or a float32 0-dim tensor. Returns a found_inf flag
+    (float32) per device. No host sync."""
     groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
         lambda: defaultdict(list))
     for g in grads:
         if g.is_sparse:
             g = g._values()
         groups[g.device][g.dtype].append(g)
-    found = []
+    found: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for device, by_dtype in groups.items():
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
@@ -151,9 +151,24 @@ def _check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
                                  device=device).float()
             for same in by_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
-            found.append(found_inf)
+            found[device] = found_inf
+    return found
+
+
+def _check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
+                       found_on: torch.device | None = None) -> torch.Tensor:
+    """The same, as one flag on ``found_on`` (default: the first gradient's device)."""
+    found = list(_check_and_unscale_per_device(grads, inv_scale).values())
     target = found_on or found[0].device
     return sum(f.to(target, non_blocking=True) for f in found)
+
+
+def _by_device(flags: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for flag in flags:
+        per_device[flag.device] = per_device[flag.device] + flag \
+            if flag.device in per_device else flag
+    return per_device
 
 
 class _DeviceScale:
@@ -190,8 +205,14 @@ class _DeviceScale:
         return _check_and_unscale(grads, 1.0, self.device)
 
     def step(self, optimizer, unscale: bool, flags, args, kwargs):
-        # The attributes torch's fused optimizers read, set as torch.amp sets them.
-        optimizer.grad_scale = self.scale_t if unscale else None
+        # The attributes torch's fused optimizers read, set as torch.amp sets them: a
+        # grad_scale the user preset multiplies ours, or stands alone once the gradients
+        # were unscaled; both attributes are removed after the step.
+        preset = getattr(optimizer, "grad_scale", None)
+        if unscale:
+            optimizer.grad_scale = self.scale_t if preset is None else self.scale_t * preset
+        else:
+            optimizer.grad_scale = preset
         optimizer.found_inf = self._combine(flags)
         try:
             return optimizer.step(*args, **kwargs)
@@ -255,13 +276,6 @@ class _DeviceScale:
             self.tracker_t.fill_(tracker)
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_grad_scaler_kwarg(optimizer_class: type) -> bool:
-    # The older contract passed the scaler itself as a kwarg; such optimizers get the
-    # ordinary path. Asked once per class: inspect.signature is slow for a step loop.
-    return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
-
-
 class TorchBackend:
     """unified_amp adapter for PyTorch (CPU and CUDA)."""
 
@@ -308,17 +322,18 @@ class TorchBackend:
                     f" ({torch.cuda.get_device_name()}); use dtype='float16'."
                 )
 
-    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                       contract: bool = True) -> Any:
         contexts = []
         for dev in self._devices(device):
-            if enabled:
+            if enabled and contract:
                 _install_policy(dev)
             ctx = torch.autocast(
                 dev, dtype=_DTYPES[dtype or self._default_dtype(dev)], enabled=enabled
             )
             ctx.__enter__()
             contexts.append(ctx)
-        _policy.stack.append(enabled)
+        _policy.stack.append(enabled and contract)
         return contexts
 
     def exit_autocast(self, token: Any) -> None:
@@ -342,6 +357,17 @@ class TorchBackend:
     def drop_grads(self, params: Any) -> None:
         for p in params:
             p.grad = None
+
+    def grad_version(self, grad: torch.Tensor) -> int:
+        # Bumped by every in-place write (a backward accumulating into it, clipping);
+        # the fused unscale kernel leaves it alone.
+        return grad._version
+
+    def watch_backward(self, tensor: torch.Tensor, callback: Any) -> bool:
+        if not tensor.requires_grad:
+            return False
+        tensor.register_hook(lambda grad: callback())  # returns None: grad unchanged
+        return True
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float,
                        norm_type: float) -> float:
@@ -376,9 +402,7 @@ class TorchBackend:
     def steps_on_device(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` takes ``grad_scale``/``found_inf`` and skips on the
         device by itself: torch's fused Adam, AdamW and SGD (``fused=True``)."""
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):
-            return False
-        return not _takes_grad_scaler_kwarg(type(optimizer))
+        return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
     def device_scale(self, optimizer: Any, scale: float, tracker: int,
                      skipped: int) -> _DeviceScale:
@@ -470,3 +494,101 @@ class TorchBackend:
 
     def skipped_step_result(self, optimizer: Any) -> None:
         return None
+
+    # -- the scaler's class (optional part of the interface) ------------------------------
+    def scaler_class(self, device: str | None) -> type:
+        """A subclass of unified_amp.GradScaler that is also torch's own GradScaler
+        (torch.cuda.amp's when made for CUDA), for runners that check isinstance."""
+        cuda = device.split(":")[0] == "cuda" if device else torch.cuda.is_available()
+        return TorchCudaGradScaler if cuda else TorchGradScaler
+
+
+class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
+    """``unified_amp.GradScaler`` on the torch backend; also a ``torch.amp.GradScaler``.
+
+    All behaviour is the core's (torch.amp's ``__init__`` never runs). The private
+    attributes below are the ones code in the wild reads from torch.amp's scaler
+    (docs/DROP_IN.md lists them); each is derived from the core's state on demand.
+    """
+
+    def _torch_device(self) -> torch.device:
+        if self._dev is not None:
+            return self._dev.device
+        if self._device:
+            return torch.device(self._device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """The scale as a float32 0-dim tensor (a copy, except in device mode)."""
+        if not self._enabled:
+            return None
+        if self._dev is not None:
+            return self._dev.scale_t
+        return torch.full((), self._scale_value, dtype=torch.float32,
+                          device=self._torch_device())
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        if not self._enabled:
+            return None
+        if self._dev is not None:
+            return self._dev.tracker_t
+        return torch.full((), self._tracker, dtype=torch.int32, device=self._torch_device())
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        self._sync_from_device()
+        return self._tracker if self._enabled else 0
+
+    def _flags_of(self, checks: Sequence[Any]) -> list[torch.Tensor]:
+        flags = []
+        for check in checks:
+            if check.flag is not None:
+                flags.append(check.flag)
+            elif check.found is not None:
+                flags.append(torch.full((), float(check.found), device=self._torch_device()))
+        return flags
+
+    def _found_inf_per_device(self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
+        state = self._opt_states.get(id(optimizer))
+        return _by_device(self._flags_of(state.checks if state is not None else []))
+
+    def _check_inf_per_device(self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
+        # What optimizers with the older step(grad_scaler=...) contract call: check
+        # without unscaling (they unscale inside), counted by the next update().
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        check = self._check(params, unscale=False, read=False, allow_fp16=True)
+        self._opt_state(optimizer).checks.append(check)
+        return self._found_inf_per_device(optimizer)
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        """A read-only snapshot in torch.amp's shape (writing to it changes nothing)."""
+        stages = {_core._Stage.READY: OptState.READY, _core._Stage.UNSCALED: OptState.UNSCALED,
+                  _core._Stage.STEPPED: OptState.STEPPED}
+        snapshot: dict[int, dict[str, Any]] = defaultdict(
+            lambda: {"stage": OptState.READY, "found_inf_per_device": {}})
+        for key, state in self._opt_states.items():
+            snapshot[key] = {"stage": stages[state.stage],
+                             "found_inf_per_device": _by_device(self._flags_of(state.checks))}
+        return snapshot
+
+    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """torch.amp's helper, for code that calls it directly: unscales the optimizer's
+        gradients by ``inv_scale`` and returns a found-inf flag per device. The scaler's
+        own methods do not go through it, so overriding it changes nothing."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        found = _check_and_unscale_per_device(grads, inv_scale)
+        return {device: flag + found_inf.to(device) for device, flag in found.items()}
+
+
+class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):
+    """The same, made for CUDA: also a ``torch.cuda.amp.GradScaler`` (older runners
+    check that class)."""

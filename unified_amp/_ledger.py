@@ -1,0 +1,109 @@
+"""Which gradients a GradScaler has unscaled, and what their check found.
+
+The scaler must never unscale the same gradients twice, must allow unscaling *new*
+gradients as often as a loop produces them, and must remember a verdict for as long as
+the gradients it describes exist -- across ``update()``, so that
+``scaler.backward(gm, loss)`` (which unscales and updates) followed by
+``scaler.step(optimizer)`` neither unscales again nor forgets an overflow.
+
+So the ledger follows gradient *generations*, not parameters. A record says: this
+parameter's gradient object, as it stood after backward pass number ``epoch``, was
+unscaled by ``check``. It stops describing the parameter's gradient when
+
+- the gradient is another object (a backward into a None ``.grad``, ``zero_grad()``,
+  the scaler dropping it, the user replacing it), or
+- a later scaled backward pass ran (the epoch moved) and the gradient was written to
+  since (its version moved). Where the framework has no version counter (MegEngine),
+  a moved epoch alone ends the record.
+
+Records hold their parameter and gradient weakly: MegEngine's GradManager holds tensors
+weakly too, and a freed tensor's ``id()`` may be reused by the next iteration's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+
+class Check:
+    """One fused check (usually with unscale) over a set of gradients.
+
+    ``flag`` is the adapter's device-side flag (None when there were no gradients);
+    ``found`` is the host verdict once read (None while unread).
+    """
+
+    __slots__ = ("flag", "found", "__weakref__")
+
+    def __init__(self, flag: Any, found: bool | None) -> None:
+        self.flag = flag
+        self.found = found
+
+    def verdict(self, read: Callable[[Any], bool]) -> bool:
+        """The host verdict, reading the flag (a host sync) the first time only."""
+        if self.found is None:
+            self.found = bool(read(self.flag))
+        return self.found
+
+
+class _Record:
+    __slots__ = ("param", "grad", "version", "epoch", "check")
+
+    def __init__(self, param: Any, grad: Any, version: int | None, epoch: int,
+                 check: Check) -> None:
+        self.param = weakref.ref(param)
+        self.grad = None if grad is None else weakref.ref(grad)  # None: we dropped it
+        self.version = version
+        self.epoch = epoch
+        self.check = check
+
+
+class GradLedger:
+    """The scaler's records of unscaled gradient generations (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._records: dict[int, _Record] = {}
+        self.epoch = 0  # scaled backward passes seen (or announced) so far
+
+    def new_backward(self) -> None:
+        """A scaled backward pass ran, or is about to."""
+        self.epoch += 1
+
+    def forget(self, params: list[Any]) -> None:
+        """Ends the records of ``params`` (a backward through them is about to run)."""
+        for p in params:
+            self._records.pop(id(p), None)
+
+    def record(self, params: list[Any], check: Check,
+               version: Callable[[Any], int | None]) -> None:
+        """Notes that the current gradients of ``params`` went through ``check``
+        (a parameter whose gradient the scaler dropped is recorded as such)."""
+        for p in params:
+            g = p.grad
+            self._records[id(p)] = _Record(p, g, None if g is None else version(g),
+                                           self.epoch, check)
+
+    def lookup(self, p: Any, version: Callable[[Any], int | None]) -> Check | None:
+        """The check that unscaled ``p``'s current gradient, or None if it is new."""
+        rec = self._records.get(id(p))
+        if rec is None:
+            return None
+        g = p.grad
+        if rec.param() is not p:
+            valid = False
+        elif rec.grad is None:  # dropped on overflow: valid until the next backward
+            valid = g is None and rec.epoch == self.epoch
+        else:
+            valid = g is not None and rec.grad() is g and (
+                rec.epoch == self.epoch
+                or (rec.version is not None and version(g) == rec.version))
+        if not valid:
+            del self._records[id(p)]
+            return None
+        return rec.check
+
+    def prune(self) -> None:
+        """Drops records whose parameter no longer exists."""
+        dead = [k for k, rec in self._records.items() if rec.param() is None]
+        for k in dead:
+            del self._records[k]
