@@ -212,10 +212,12 @@ class _OptimizerAmp:
 
     def collect_grads(self) -> list[Any]:
         """Moves the model's low-precision gradients to the masters; returns the
-        parameters whose gradients are to be unscaled."""
+        parameters whose gradients are to be unscaled: those this pass wrote (the rest
+        were set aside by begin_pass, or never had one), so the scaler is never handed a
+        gradient it dropped or unscaled before."""
         if self.model_params:
             self.backend.grads_to_masters(self.model_params, self.masters)
-        return self.params()
+        return [p for p in self.params() if p.grad is not None]
 
     def end_pass(self, overflow: bool) -> None:
         if overflow:  # the scaler dropped the new gradients; the step will be skipped

@@ -149,3 +149,20 @@ def test_deepcopy_of_an_initialized_model_runs_its_own_weights():
     assert torch.count_nonzero(model(x)) > 0
     assert torch.count_nonzero(twin(x)) == 0
     assert twin(x).dtype == torch.float32
+
+
+def test_a_block_without_backward_after_an_overflow_is_a_clean_empty_step():
+    """torch tells the scaler when a backward runs through its scaled loss; a block that
+    runs none must not look like a second unscale of the overflowed (dropped) grads."""
+    model = generator()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    x = torch.randn(8, 4)
+    x[0, 0] = float("inf")
+    with amp.scale_loss(model(x).square().mean(), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    with amp.scale_loss(model(torch.randn(8, 4)).square().mean(), optimizer):
+        pass
+    stats = amp.loss_scaler().stats()
+    assert (stats["steps"], stats["skipped_steps"], stats["last_step_skipped"]) == (2, 1, False)
