@@ -1,10 +1,11 @@
 """The small interface every framework adapter implements.
 
-The core (autocast, GradManager, GradScaler) is written once against these primitives;
-an adapter in ``backends/`` maps each one onto its framework's own kernels. Tensors,
-parameters and optimizers pass through the core as opaque objects: the core reads
-``optimizer.param_groups`` and ``gm.attached_tensors()`` (both frameworks spell them the
-same way) and leaves everything numeric to the adapter.
+The core (autocast, GradManager, GradScaler, the opt levels) is written once against
+these primitives; an adapter in ``backends/`` maps each one onto its framework's own
+kernels. Tensors, parameters, modules and optimizers pass through the core as opaque
+objects: the core reads ``optimizer.param_groups``, ``gm.attached_tensors()``,
+``module.parameters()`` and ``module.forward`` (both frameworks spell them the same way)
+and leaves everything numeric to the adapter.
 """
 
 from __future__ import annotations
@@ -95,6 +96,59 @@ class Backend(Protocol):
 
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
+
+    # -- opt levels (amp.initialize; the policy is in opt_levels.py) -------------------
+    def is_module(self, obj: Any) -> bool:
+        """Whether ``obj`` is one of the framework's modules (it has ``parameters()``
+        and ``forward``)."""
+
+    def device_type(self, tensor: Any) -> str:
+        """'cpu' or 'cuda': where ``tensor`` lives."""
+
+    def default_low_dtype(self, device: str) -> str:
+        """The dtype ``autocast(dtype=None)`` computes on ``device``."""
+
+    def cast(self, tensor: Any, dtype: str) -> Any:
+        """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
+        ``tensor`` itself if it has that dtype already."""
+
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+        """Casts the floating parameters and buffers of ``module`` and its submodules to
+        ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
+        norm layers are left in float32 if ``keep_batchnorm_fp32``."""
+
+    def low_precision_batch_norm(self, dtype: str) -> bool:
+        """Whether batch norm can hold ``dtype`` weights on this build."""
+
+    def steps_low_precision(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` can update low-precision parameters itself."""
+
+    def master_copy(self, param: Any) -> Any:
+        """A new float32 leaf parameter holding ``param``'s values, on its device."""
+
+    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
+        """Puts ``new`` in place of ``old`` for each ``(old, new)`` in the optimizer's
+        param_groups and per-parameter state."""
+
+    def take_grads(self, params: Sequence[Any]) -> list[Any]:
+        """Each parameter's gradient (or None), in order; leaves them all None."""
+
+    def restore_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        """Adds ``grads`` (from ``take_grads``; None entries skipped) into the params'
+        gradients, in place and fused where the framework can; sets those that are None."""
+
+    def grads_to_masters(self, params: Sequence[Any], masters: Sequence[Any]) -> None:
+        """Sets each master's gradient to its param's gradient cast to float32 (fused
+        where the framework can) and drops the param's; pairs without a gradient are
+        left alone."""
+
+    def copy_params(self, dst: Sequence[Any], src: Sequence[Any]) -> None:
+        """Copies ``src`` into ``dst`` in place, cast to each dst's dtype; fused where
+        the framework can."""
+
+    def skipped_step_result(self, optimizer: Any) -> Any:
+        """What ``optimizer.step()`` returns when amp skips it: what a real step returns
+        where that does not depend on the step (MegEngine: the optimizer, for chaining)."""
 
     # -- optional primitives (the core asks with getattr and copes without) -------------
     # ``grad_version(grad) -> int``: a counter every in-place write to ``grad`` bumps
