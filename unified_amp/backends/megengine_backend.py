@@ -351,7 +351,9 @@ class MegEngineBackend:
 
     def copy_params(self, dst: Sequence[Any], src: Sequence[Any]) -> None:
         for d, s in zip(dst, src):
-            d._reset(self.cast(s, self.dtype_name(d.dtype)))
+            dtype = self.dtype_name(d.dtype)
+            assert dtype is not None  # a parameter's dtype is always a numpy one
+            d._reset(self.cast(s, dtype))
 
     def skipped_step_result(self, optimizer: Any) -> Any:
         return optimizer  # MegEngine's step() returns self: opt.step().clear_grad()

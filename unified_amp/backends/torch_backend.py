@@ -488,8 +488,9 @@ class TorchBackend:
         if not pairs:
             return
         bufs = [torch.empty_like(m) for _, m in pairs]
+        grads = [g for p, _ in pairs if (g := p.grad) is not None]  # all, as above
         with torch.no_grad():
-            torch._foreach_copy_(bufs, [p.grad for p, _ in pairs])  # cast, fused
+            torch._foreach_copy_(bufs, grads)  # cast, fused
         for (p, m), buf in zip(pairs, bufs):
             m.grad = buf
             p.grad = None
