@@ -330,6 +330,12 @@ def test_process_group_needs_a_backend_with_collectives(fake):
 
 
 def test_shardedgradscaler_call_form(backend, group):
-    """ShardedGradScaler(device, init_scale, ..., enabled, process_group) positionally."""
-    scaler = amp.GradScaler("cpu", 2.0**8, 2.0, 0.5, 100, True, group)
+    """ShardedGradScaler users swap the class: device first, process_group by keyword.
+    Its positional order puts backoff_factor before growth_factor (torch.amp's is the
+    reverse); passed positionally they fail loudly here instead of swapping silently."""
+    scaler = amp.GradScaler("cpu", init_scale=2.0**8, backoff_factor=0.25,
+                            growth_factor=4.0, growth_interval=100, process_group=group)
     assert scaler.get_scale() == 2.0**8 and scaler._process_group is group
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (4.0, 0.25)
+    with pytest.raises(ValueError, match="growth_factor must be > 1.0"):
+        amp.GradScaler("cpu", 2.0**8, 0.5, 2.0, 100, True, group)  # ShardedGradScaler's order
