@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import pickle
 import traceback
@@ -445,4 +446,5 @@ def run_all(rank: int, world: int, port: int, out_dir: str) -> None:
                 with open(path, "wb") as f:
                     pickle.dump(results, f)
     finally:
+        gc.collect()  # DDP/FSDP sit in reference cycles; gloo may abort if they outlive it
         dist.destroy_process_group()
