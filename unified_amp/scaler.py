@@ -219,7 +219,8 @@ class GradScaler:
             for gradients that differ per rank. None (the default) agrees only where
             needed: FSDP1's sharded parameters over the world group, FSDP2's DTensors
             through torch's own agreement, and nothing for DDP, whose gradients are
-            already identical. See docs/DISTRIBUTED.md.
+            already identical. Not kept by pickling (give it again after loading).
+            See docs/DISTRIBUTED.md.
     """
 
     # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
