@@ -1,10 +1,11 @@
 """The small interface every framework adapter implements.
 
-The core (autocast, GradManager, GradScaler) is written once against these primitives;
-an adapter in ``backends/`` maps each one onto its framework's own kernels. Tensors,
-parameters and optimizers pass through the core as opaque objects: the core reads
-``optimizer.param_groups`` and ``gm.attached_tensors()`` (both frameworks spell them the
-same way) and leaves everything numeric to the adapter.
+The core (autocast, GradManager, GradScaler, the opt levels) is written once against
+these primitives; an adapter in ``backends/`` maps each one onto its framework's own
+kernels. Tensors, parameters, modules and optimizers pass through the core as opaque
+objects: the core reads ``optimizer.param_groups``, ``gm.attached_tensors()``,
+``module.parameters()`` and ``module.forward`` (both frameworks spell them the same way)
+and leaves everything numeric to the adapter.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ class Backend(Protocol):
         """Raises UnsupportedPrecisionError if ``dtype`` cannot be computed on ``device``
         (None: every device autocast would touch)."""
 
-    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
-        """Switches autocast on or off; returns a token that restores the outer state."""
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                       contract: bool = True) -> Any:
+        """Switches autocast on or off; returns a token that restores the outer state.
+        ``contract`` False leaves the framework's own op lists unchanged (no dtype
+        contract inside this block)."""
 
     def exit_autocast(self, token: Any) -> None:
         """Restores the state saved in ``token``."""
@@ -96,6 +100,74 @@ class Backend(Protocol):
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
 
+    # -- opt levels (amp.initialize; the policy is in opt_levels.py) -------------------
+    def is_module(self, obj: Any) -> bool:
+        """Whether ``obj`` is one of the framework's modules (it has ``parameters()``
+        and ``forward``)."""
+
+    def device_type(self, tensor: Any) -> str:
+        """'cpu' or 'cuda': where ``tensor`` lives."""
+
+    def default_low_dtype(self, device: str) -> str:
+        """The dtype ``autocast(dtype=None)`` computes on ``device``."""
+
+    def cast(self, tensor: Any, dtype: str) -> Any:
+        """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
+        ``tensor`` itself if it has that dtype already."""
+
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+        """Casts the floating parameters and buffers of ``module`` and its submodules to
+        ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
+        norm layers are left in float32 if ``keep_batchnorm_fp32``."""
+
+    def low_precision_batch_norm(self, dtype: str) -> bool:
+        """Whether batch norm can hold ``dtype`` weights on this build."""
+
+    def steps_low_precision(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` can update low-precision parameters itself."""
+
+    def master_copy(self, param: Any) -> Any:
+        """A new float32 leaf parameter holding ``param``'s values, on its device."""
+
+    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
+        """Puts ``new`` in place of ``old`` for each ``(old, new)`` in the optimizer's
+        param_groups and per-parameter state."""
+
+    def take_grads(self, params: Sequence[Any]) -> list[Any]:
+        """Each parameter's gradient (or None), in order; leaves them all None."""
+
+    def restore_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        """Adds ``grads`` (from ``take_grads``; None entries skipped) into the params'
+        gradients, in place and fused where the framework can; sets those that are None."""
+
+    def grads_to_masters(self, params: Sequence[Any], masters: Sequence[Any]) -> None:
+        """Sets each master's gradient to its param's gradient cast to float32 (fused
+        where the framework can) and drops the param's; pairs without a gradient are
+        left alone."""
+
+    def copy_params(self, dst: Sequence[Any], src: Sequence[Any]) -> None:
+        """Copies ``src`` into ``dst`` in place, cast to each dst's dtype; fused where
+        the framework can."""
+
+    def skipped_step_result(self, optimizer: Any) -> Any:
+        """What ``optimizer.step()`` returns when amp skips it: what a real step returns
+        where that does not depend on the step (MegEngine: the optimizer, for chaining)."""
+
+    # -- optional primitives (the core asks with getattr and copes without) -------------
+    # ``grad_version(grad) -> int``: a counter every in-place write to ``grad`` bumps
+    #   (torch's ``_version``); lets the scaler's ledger tell new gradient generations
+    #   from old ones without a new object.
+    # ``watch_backward(tensor, callback) -> bool``: arranges for ``callback()`` to run when
+    #   a backward pass goes through ``tensor`` (a scale() output); False if it cannot.
+    # ``scaler_class(device) -> type``: a subclass of unified_amp.GradScaler that
+    #   GradScaler(...) should instantiate (torch: one that is also torch.amp.GradScaler).
+    # ``steps_on_device(optimizer) -> bool`` and
+    #   ``device_scale(optimizer, scale, growth_tracker, skipped_steps)``: for optimizers
+    #   that skip a step on the device by themselves; the latter returns an object that
+    #   keeps the scale on the device (see backends/torch_backend.py, _DeviceScale).
+    #   GradScaler switches to it the first time such an optimizer steps, so that its
+    #   steps need no host sync. MegEngine has no such optimizers.
+
     # -- optional: distributed primitives (see unified_amp/distributed.py) --------------
     # An adapter whose framework can run several processes also provides:
     #   world_group() -> the default group if this process is one of several, else None
@@ -109,10 +181,3 @@ class Backend(Protocol):
     #   grad_sync_paused(module) -> bool: the module is inside a no_sync() window
     #   module_clip_grad_norm(module, max_norm, norm_type) -> float, or None where the
     #       module has no clip of its own (FSDP1's covers every rank's shard)
-
-    # -- optional: optimizers that skip on the device ----------------------------------
-    # An adapter may also provide ``steps_on_device(optimizer) -> bool`` and
-    # ``device_scale(optimizer, scale, growth_tracker, skipped_steps)``, returning an
-    # object that keeps the scale on the device (see backends/torch_backend.py,
-    # _DeviceScale). GradScaler switches to it the first time such an optimizer steps,
-    # so that its steps need no host sync. MegEngine has no such optimizers.

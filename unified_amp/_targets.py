@@ -33,7 +33,7 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         params = [p for group in target.param_groups for p in group["params"]]
     elif backend.is_tensor(target):
         params = [target]
-    elif distributed.is_module(target):
+    elif backend.is_module(target):
         # Remembered (weakly) so that unscaling its parameters inside DDP's no_sync()
         # window can be caught later, whatever target the unscale names.
         distributed.note_module(target)

@@ -124,11 +124,6 @@ def active(backend: Any, group: Any) -> bool:
 _modules: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def is_module(obj: Any) -> bool:
-    """A framework module (it has ``parameters()``): torch.nn.Module, megengine Module."""
-    return callable(getattr(obj, "parameters", None)) and not hasattr(obj, "param_groups")
-
-
 def note_module(module: Any) -> None:
     try:
         _modules.add(module)

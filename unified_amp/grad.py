@@ -187,7 +187,7 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
         )
     backend = get_backend()
     params = params_of(target, backend, "clip_grad_norm()")
-    if distributed.is_module(target):
+    if backend.is_module(target):
         own = getattr(backend, "module_clip_grad_norm", None)
         norm = None if own is None else own(target, float(max_norm), float(norm_type))
         if norm is not None:

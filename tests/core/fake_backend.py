@@ -6,9 +6,33 @@ from __future__ import annotations
 
 import collections
 import math
+import struct
 import threading
 
 from unified_amp.errors import UnsupportedPrecisionError
+
+
+def round_to(values, dtype):
+    """``values`` rounded to ``dtype`` (float16 overflows to inf, as a real cast does)."""
+    if dtype == "float16":
+        out = []
+        for v in values:
+            try:
+                out.append(struct.unpack("e", struct.pack("e", v))[0])
+            except OverflowError:
+                out.append(math.copysign(math.inf, v))
+        return out
+    if dtype == "bfloat16":  # the top 16 bits of the float32 pattern, round to nearest even
+        out = []
+        for v in values:
+            if not math.isfinite(v):
+                out.append(v)
+                continue
+            bits = struct.unpack("I", struct.pack("f", v))[0]
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            out.append(struct.unpack("f", struct.pack("I", bits))[0])
+        return out
+    return [float(v) for v in values]
 
 
 class FakeTensor:
@@ -33,19 +57,66 @@ def linear_loss(params, coeffs):
 
 
 class FakeOptimizer:
-    """Plain SGD that records each step."""
+    """Plain SGD that records each step, with a per-parameter step count as its state."""
 
     def __init__(self, params, lr=0.1):
         self.param_groups = [{"params": list(params), "lr": lr}]
+        self.state = {}
         self.steps = 0
 
     def step(self, *args, **kwargs):
         self.steps += 1
         for p in self.param_groups[0]["params"]:
             if p.grad is not None:
-                p.values = [v - self.param_groups[0]["lr"] * g
-                            for v, g in zip(p.values, p.grad.values)]
+                p.values = round_to([v - self.param_groups[0]["lr"] * g
+                                     for v, g in zip(p.values, p.grad.values)], p.dtype)
+                self.state[p] = self.state.get(p, 0) + 1
         return "stepped"
+
+    def state_dict(self):
+        params = self.param_groups[0]["params"]
+        return {"state": {i: self.state[p] for i, p in enumerate(params) if p in self.state},
+                "lr": self.param_groups[0]["lr"]}
+
+    def load_state_dict(self, state_dict):
+        params = self.param_groups[0]["params"]
+        self.state = {params[i]: n for i, n in state_dict["state"].items()}
+        self.param_groups[0]["lr"] = state_dict["lr"]
+
+
+class FakeModule:
+    """A 'model': out = sum over its parameters p of p . x (each p as long as x), in the
+    autocast dtype when autocast is on, else in the input's dtype. Records what its
+    forward saw."""
+
+    def __init__(self, params, children=(), batch_norm=False, backend=None):
+        self._params = list(params)
+        self._children = list(children)
+        self.batch_norm = batch_norm
+        self.backend = backend
+        self.seen = []  # (input dtype, autocast dtype or None) per call
+
+    def parameters(self):
+        yield from self._params
+        for child in self._children:
+            yield from child.parameters()
+
+    def modules(self):
+        yield self
+        for child in self._children:
+            yield from child.modules()
+
+    def forward(self, x):
+        enabled, dtype = self.backend.autocast_state[-1]
+        self.seen.append((x.dtype, dtype if enabled else None))
+        params = list(self.parameters())
+        total = sum(w * v for p in params for w, v in zip(p.values, x.values))
+        out_dtype = (dtype or "float16") if enabled else x.dtype
+        return FakeTensor(round_to([total], out_dtype), out_dtype,
+                          deps=[(p, list(x.values)) for p in params])
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
 
 
 class _Tape:
@@ -79,7 +150,7 @@ class _Tape:
                     g = [a + b for a, b in zip(new[id(p)][1], g)]
                 new[id(p)] = (p, g)
         for p, g in new.values():
-            grad = FakeTensor(g, p.dtype)
+            grad = FakeTensor(round_to(g, p.dtype), p.dtype)
             if hasattr(p, "kind"):  # a DTensor's gradient is a DTensor
                 grad.kind = p.kind
             for callback in self.callbacks.get(id(p), ()):
@@ -87,7 +158,8 @@ class _Tape:
             if p.grad is None:
                 p.grad = grad
             else:
-                p.grad.values = [a + b for a, b in zip(p.grad.values, grad.values)]
+                p.grad.values = round_to([a + b for a, b in zip(p.grad.values, grad.values)],
+                                         p.dtype)
 
 
 class FakeBackend:
@@ -97,6 +169,8 @@ class FakeBackend:
         self.syncs = 0
         self.autocast_state = [(False, None)]  # (enabled, dtype), innermost last
         self.refuse = {"bfloat16"}
+        self.low_bn = True  # batch norm may hold low-precision weights
+        self.low_steps = True  # optimizers may step low-precision parameters
 
     def cuda_available(self):
         return False
@@ -159,6 +233,73 @@ class FakeBackend:
     def flag_is_set(self, flag):
         self.syncs += 1
         return flag["found"]
+
+    # -- opt levels ---------------------------------------------------------------------
+    def is_module(self, obj):
+        return isinstance(obj, FakeModule)
+
+    def device_type(self, tensor):
+        return "cpu"
+
+    def default_low_dtype(self, device):
+        return "float16"
+
+    def cast(self, tensor, dtype):
+        if tensor.dtype == dtype:
+            return tensor
+        return FakeTensor(round_to(tensor.values, dtype), dtype, deps=tensor.deps)
+
+    def cast_module(self, module, dtype, keep_batchnorm_fp32):
+        for sub in module.modules():
+            if keep_batchnorm_fp32 and sub.batch_norm:
+                continue
+            for p in sub._params:
+                p.dtype, p.values = dtype, round_to(p.values, dtype)
+
+    def low_precision_batch_norm(self, dtype):
+        return self.low_bn
+
+    def steps_low_precision(self, optimizer):
+        return self.low_steps
+
+    def master_copy(self, param):
+        return FakeTensor(list(param.values), "float32")
+
+    def replace_params(self, optimizer, pairs):
+        new = {id(old): master for old, master in pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+        for old, master in pairs:
+            if old in optimizer.state:
+                optimizer.state[master] = optimizer.state.pop(old)
+
+    def take_grads(self, params):
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    def restore_grads(self, params, grads):
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.values = [a + b for a, b in zip(p.grad.values, g.values)]
+
+    def grads_to_masters(self, params, masters):
+        for p, m in zip(params, masters):
+            if p.grad is not None:
+                m.grad = FakeTensor(list(p.grad.values), "float32")
+                p.grad = None
+
+    def copy_params(self, dst, src):
+        for d, s in zip(dst, src):
+            d.values = round_to(s.values, d.dtype)
+
+    def skipped_step_result(self, optimizer):
+        return None
 
 
 class FakeGroup:

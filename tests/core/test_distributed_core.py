@@ -19,6 +19,7 @@ from ..reference import trajectory
 from .fake_backend import (
     DistributedFakeBackend,
     FakeGroup,
+    FakeModule,
     FakeOptimizer,
     FakeTensor,
     linear_loss,
@@ -266,20 +267,12 @@ def test_single_process_adds_nothing(backend, group):
 
 
 # -- the no_sync() window ----------------------------------------------------------------
-class FakeModule:
-    def __init__(self, params):
-        self._params = params
-        self.require_backward_grad_sync = True
-
-    def parameters(self):
-        return iter(self._params)
-
-
 @pytest.mark.parametrize("target", ["module", "gm", "optimizer"])
 def test_unscaling_inside_no_sync_is_an_error(backend, target):
     backend.rank = 0
     params = make_params("local")
     model = FakeModule(params)
+    model.require_backward_grad_sync = True  # what DDP keeps, False inside no_sync()
     gm = amp.GradManager(model)  # the model is known from here on
     assert gm.attached_tensors() == params
     opt = FakeOptimizer(params)
@@ -316,7 +309,7 @@ def test_clip_grad_norm_of_sharded_params_asks_for_the_module(backend):
 
 
 # -- arguments ---------------------------------------------------------------------------
-def test_process_group_is_validated(backend, fake_plain=None):
+def test_process_group_is_validated(backend):
     with pytest.raises(TypeError, match="process_group must be a FakeGroup; got 'WORLD'"):
         amp.GradScaler(process_group="WORLD")
     amp.GradScaler(process_group=None)  # auto

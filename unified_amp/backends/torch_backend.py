@@ -15,6 +15,8 @@ from unified_amp import scaler as _core
 from unified_amp.errors import UnsupportedPrecisionError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_ALL_DTYPES = dict(_DTYPES, float32=torch.float32)
+_BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm
 _LOW = (torch.float16, torch.bfloat16)
 
 # Ops the dtype contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md).
@@ -452,6 +454,92 @@ class TorchBackend:
                      skipped: int) -> _DeviceScale:
         device = next(p.device for g in optimizer.param_groups for p in g["params"])
         return _DeviceScale(device, scale, tracker, skipped)
+
+    # -- opt levels ---------------------------------------------------------------------
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, torch.nn.Module)
+
+    def device_type(self, tensor: torch.Tensor) -> str:
+        return "cuda" if tensor.device.type == "cuda" else "cpu"
+
+    def default_low_dtype(self, device: str) -> str:
+        return self._default_dtype(device)
+
+    def cast(self, tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+        return tensor.to(_ALL_DTYPES[dtype])
+
+    def cast_module(self, module: torch.nn.Module, dtype: str,
+                    keep_batchnorm_fp32: bool) -> None:
+        target = _ALL_DTYPES[dtype]
+        with torch.no_grad():
+            for sub in module.modules():
+                if keep_batchnorm_fp32 and isinstance(sub, _BATCH_NORM):
+                    continue
+                # Through .data, as Module.to() does: each Parameter object stays the
+                # same, so the optimizers that hold it need no change.
+                for p in sub.parameters(recurse=False):
+                    if p.is_floating_point():
+                        p.data = p.data.to(target)
+                for name, buf in sub.named_buffers(recurse=False):
+                    if buf is not None and buf.is_floating_point():
+                        setattr(sub, name, buf.to(target))
+
+    def low_precision_batch_norm(self, dtype: str) -> bool:
+        return True
+
+    def steps_low_precision(self, optimizer: Any) -> bool:
+        return True
+
+    def master_copy(self, param: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
+
+    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
+        new = {id(old): master for old, master in pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+        for old, master in pairs:
+            if old in optimizer.state:
+                optimizer.state[master] = optimizer.state.pop(old)
+
+    def take_grads(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    def restore_grads(self, params: Sequence[torch.Tensor], grads: Sequence[Any]) -> None:
+        into, add = [], []
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                into.append(p.grad)
+                add.append(g)
+        if into:
+            with torch.no_grad():
+                torch._foreach_add_(into, add)
+
+    def grads_to_masters(self, params: Sequence[torch.Tensor],
+                         masters: Sequence[torch.Tensor]) -> None:
+        pairs = [(p, m) for p, m in zip(params, masters) if p.grad is not None]
+        if not pairs:
+            return
+        bufs = [torch.empty_like(m) for _, m in pairs]
+        with torch.no_grad():
+            torch._foreach_copy_(bufs, [p.grad for p, _ in pairs])  # cast, fused
+        for (p, m), buf in zip(pairs, bufs):
+            m.grad = buf
+            p.grad = None
+
+    def copy_params(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(list(dst), list(src))
+
+    def skipped_step_result(self, optimizer: Any) -> None:
+        return None
 
     # -- distributed (optional part of the interface) -----------------------------------
     def world_group(self) -> Any:
