@@ -135,8 +135,10 @@ def require_synced(backend: Any, params: list[Any], what: str) -> None:
     """Raises if ``params`` belong to a watched module inside its ``no_sync()`` window:
     their gradients are this rank's alone, so ranks would check different gradients and
     could take different decisions."""
+    if not _modules or not params or not active(backend, None):
+        return  # DDP needs a process group: nothing to check in a single process
     paused = getattr(backend, "grad_sync_paused", None)
-    if paused is None or not _modules or not params:
+    if paused is None:
         return
     for module in list(_modules):
         if not paused(module):

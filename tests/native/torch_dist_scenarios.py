@@ -223,7 +223,7 @@ def ddp_no_sync_misuse(rank, world):
     return out
 
 
-def fsdp2(rank, world, scaler_class=None):
+def fsdp2(rank, world):
     """fully_shard (DTensor gradients), an inf in rank 1's local shard at the overflow
     steps; also torch.amp's own scaler on the same run, to compare with."""
     from torch.distributed.fsdp import fully_shard
@@ -301,7 +301,7 @@ def fsdp1(rank, world):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         scaler = make()
         rec = Recorder(scaler)
-        reads = count_reads() if name == "ours" else None
+        reads = ReadCounter() if name == "ours" else None
         norms, local_clip_error = [], None
         for step in range(STEPS):
             x, y = batch(step, rank)
@@ -361,7 +361,7 @@ def hand_sharded(rank, world):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         scaler = amp.GradScaler("cpu", init_scale=INIT, growth_interval=INTERVAL,
                                 process_group=group)
-        reads = count_reads()
+        reads = ReadCounter()
         scales = []
         for step in range(STEPS):
             x, y = batch(step, rank, overflow=(rank == 0 and step in OVERFLOW_STEPS))
@@ -401,7 +401,7 @@ def callbacks_all_reduce(rank, world):
     return {"history": rec.history, "weights": weights(model.parameters())}
 
 
-class count_reads:
+class ReadCounter:
     """Counts the scaler's host reads of the overflow flag (the one sync per step)."""
 
     def __init__(self):
