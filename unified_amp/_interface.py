@@ -21,8 +21,11 @@ LOW_PRECISION = ("float16", "bfloat16")
 class Tape(Protocol):
     """Records a forward pass for one GradManager and turns it into gradients."""
 
-    def attach(self, params: Sequence[Any]) -> None:
-        """Adds parameters whose gradients ``backward`` must produce."""
+    def attach(self, params: Sequence[Any], callbacks: Sequence[Any] = ()) -> None:
+        """Adds parameters whose gradients ``backward`` must produce (a parameter given
+        again is kept once) and appends ``callbacks`` to each one's list: MegEngine's
+        ``callback(param, grad) -> grad``, run on each new gradient before it is
+        accumulated into ``param.grad``."""
 
     def record(self) -> None:
         """Starts recording operations (entered by ``with gm:``)."""
@@ -164,3 +167,17 @@ class Backend(Protocol):
     #   keeps the scale on the device (see backends/torch_backend.py, _DeviceScale).
     #   GradScaler switches to it the first time such an optimizer steps, so that its
     #   steps need no host sync. MegEngine has no such optimizers.
+
+    # -- optional: distributed primitives (see unified_amp/distributed.py) --------------
+    # An adapter whose framework can run several processes also provides:
+    #   world_group() -> the default group if this process is one of several, else None
+    #   check_group(group) -> None; raises TypeError/RuntimeError for a group it cannot use
+    #   grad_kind(param) -> "local" | "dtensor" (the framework agrees the fused check over
+    #       its own mesh) | "sharded" (a per-rank shard, with no agreement of its own)
+    #   zero_grad_like(param) -> a zero gradient for param (a stand-in in the check)
+    #   clean_flag(params, group) -> a flag that says "no inf", where group communicates
+    #   all_reduce_max_async(flag, group) -> (flag, handle with wait() or None): starts a
+    #       MAX all-reduce of the flag on the device; no host sync
+    #   grad_sync_paused(module) -> bool: the module is inside a no_sync() window
+    #   module_clip_grad_norm(module, max_norm, norm_type) -> float, or None where the
+    #       module has no clip of its own (FSDP1's covers every rank's shard)

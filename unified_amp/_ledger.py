@@ -30,19 +30,30 @@ class Check:
     """One fused check (usually with unscale) over a set of gradients.
 
     ``flag`` is the adapter's device-side flag (None when there were no gradients);
-    ``found`` is the host verdict once read (None while unread).
+    ``found`` is the host verdict once read (None while unread). ``pending`` is the
+    handle of a cross-rank all-reduce still running on ``flag`` (see distributed.py),
+    waited for before the flag is first used.
     """
 
-    __slots__ = ("flag", "found", "__weakref__")
+    __slots__ = ("flag", "found", "pending", "__weakref__")
 
-    def __init__(self, flag: Any, found: bool | None) -> None:
+    def __init__(self, flag: Any, found: bool | None, pending: Any = None) -> None:
         self.flag = flag
         self.found = found
+        self.pending = pending
+
+    def ready(self) -> Any:
+        """The flag, once any all-reduce on it has completed (on a GPU this orders the
+        streams and does not wait on the host)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+        return self.flag
 
     def verdict(self, read: Callable[[Any], bool]) -> bool:
         """The host verdict, reading the flag (a host sync) the first time only."""
         if self.found is None:
-            self.found = bool(read(self.flag))
+            self.found = bool(read(self.ready()))
         return self.found
 
 

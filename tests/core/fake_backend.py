@@ -4,8 +4,10 @@ device-to-host syncs the core asks for."""
 
 from __future__ import annotations
 
+import collections
 import math
 import struct
+import threading
 
 from unified_amp.errors import UnsupportedPrecisionError
 
@@ -120,10 +122,14 @@ class FakeModule:
 class _Tape:
     def __init__(self):
         self.params = []
+        self.callbacks = {}
         self.recording = False
 
-    def attach(self, params):
-        self.params.extend(params)
+    def attach(self, params, callbacks=()):
+        known = {id(p) for p in self.params}
+        self.params.extend(p for p in params if id(p) not in known)
+        for p in params:
+            self.callbacks.setdefault(id(p), []).extend(callbacks)
 
     def record(self):
         self.recording = True
@@ -133,17 +139,27 @@ class _Tape:
 
     def backward(self, ys, dys):
         attached = {id(p) for p in self.params}
+        new = {}  # id(param) -> (param, this backward's gradient values)
         for i, y in enumerate(ys):
             dy = 1.0 if dys is None else dys[i].values[0]
             for p, coeffs in y.deps:
                 if id(p) not in attached:
                     continue
                 g = [dy * c for c in coeffs]
-                if p.grad is None:
-                    p.grad = FakeTensor(round_to(g, p.dtype), p.dtype)
-                else:
-                    p.grad.values = round_to([a + b for a, b in zip(p.grad.values, g)],
-                                             p.dtype)
+                if id(p) in new:
+                    g = [a + b for a, b in zip(new[id(p)][1], g)]
+                new[id(p)] = (p, g)
+        for p, g in new.values():
+            grad = FakeTensor(round_to(g, p.dtype), p.dtype)
+            if hasattr(p, "kind"):  # a DTensor's gradient is a DTensor
+                grad.kind = p.kind
+            for callback in self.callbacks.get(id(p), ()):
+                grad = callback(p, grad)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.values = round_to([a + b for a, b in zip(p.grad.values, grad.values)],
+                                         p.dtype)
 
 
 class FakeBackend:
@@ -284,3 +300,99 @@ class FakeBackend:
 
     def skipped_step_result(self, optimizer):
         return None
+
+
+class FakeGroup:
+    """A process group for ranks simulated by threads: an all-reduce is a barrier
+    exchange. Each rank's collectives are logged, to compare their sequences."""
+
+    def __init__(self, world=2):
+        self.world = world
+        # The timeout only turns a hang (a rank that skipped a collective) into a
+        # failure; no result depends on it.
+        self._barrier = threading.Barrier(world, timeout=30)
+        self._slots = [None] * world
+        self.log = {r: [] for r in range(world)}
+
+    def exchange(self, rank, value, what):
+        self.log[rank].append(what)
+        self._slots[rank] = value
+        self._barrier.wait()
+        out = max(self._slots)
+        self._barrier.wait()  # nobody overwrites a slot before all have read
+        return out
+
+
+class _FakeWork:
+    def __init__(self, group, rank, local, out):
+        self.group, self.rank, self.local, self.out = group, rank, local, out
+        self.waited = False
+
+    def wait(self):
+        self.out["found"] = bool(self.group.exchange(self.rank, self.local, "all_reduce"))
+        self.waited = True
+
+
+class DistributedFakeBackend(FakeBackend):
+    """The fake backend with the distributed primitives, for ranks run as threads.
+
+    A tensor's ``kind`` attribute says what grad_kind() reports ("local", "sharded",
+    "dtensor"); the fused check over "dtensor" gradients agrees by itself, as torch's
+    DTensor dispatch does, so a rank that skips the kernel leaves the others waiting.
+    """
+
+    def __init__(self, group=None, world=True):
+        super().__init__()
+        self.group = group
+        self.world = world  # whether world_group() reports the group (an initialised job)
+        self._local = threading.local()
+        self.syncs_by_rank = collections.Counter()
+        self.paused_modules = set()
+
+    @property
+    def rank(self):
+        return self._local.rank
+
+    @rank.setter
+    def rank(self, value):
+        self._local.rank = value
+
+    def unscale_and_check(self, grads, inv_scale):
+        flag = super().unscale_and_check(grads, inv_scale)
+        if any(getattr(g, "kind", "local") == "dtensor" for g in grads):
+            flag = {"found": bool(self.group.exchange(self.rank, flag["found"], "dtensor"))}
+        return flag
+
+    def flag_is_set(self, flag):
+        assert flag["found"] is not None, "read a flag before its all-reduce completed"
+        self.syncs_by_rank[self.rank] += 1
+        return super().flag_is_set(flag)
+
+    def world_group(self):
+        return self.group if self.world else None
+
+    def check_group(self, group):
+        if not isinstance(group, FakeGroup):
+            raise TypeError(f"GradScaler process_group must be a FakeGroup; got {group!r}")
+
+    def grad_kind(self, param):
+        return getattr(param, "kind", "local")
+
+    def zero_grad_like(self, param):
+        t = FakeTensor([0.0] * len(param.values), param.dtype)
+        t.kind = self.grad_kind(param)
+        return t
+
+    def clean_flag(self, params, group):
+        return {"found": False}
+
+    def all_reduce_max_async(self, flag, group):
+        out = {"found": None}
+        return out, _FakeWork(group, self.rank, flag["found"], out)
+
+    def grad_sync_paused(self, module):
+        return getattr(module, "require_backward_grad_sync", True) is False
+
+    def module_clip_grad_norm(self, module, max_norm, norm_type):
+        own = getattr(module, "clip_grad_norm_", None)
+        return None if own is None else own(max_norm, norm_type)

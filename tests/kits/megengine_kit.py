@@ -96,6 +96,9 @@ class Kit(KitBase):
     def adam(self, params, lr):
         return O.Adam(params, lr=lr)
 
+    def multistep_lr(self, opt, milestones, gamma):
+        return O.MultiStepLR(opt, milestones, gamma)
+
     def opt_state(self, opt):
         out = []
         for group in opt.param_groups:

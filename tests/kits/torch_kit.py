@@ -81,6 +81,9 @@ class Kit(KitBase):
     def adam(self, params, lr):
         return torch.optim.Adam(params, lr=lr)
 
+    def multistep_lr(self, opt, milestones, gamma):
+        return torch.optim.lr_scheduler.MultiStepLR(opt, milestones, gamma)
+
     def opt_state(self, opt):
         out = []
         for group in opt.param_groups:

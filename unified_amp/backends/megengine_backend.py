@@ -170,8 +170,10 @@ class _Tape:
     def __init__(self) -> None:
         self.gm = _NativeGradManager()
 
-    def attach(self, params: Sequence[Any]) -> None:
-        self.gm.attach(params)
+    def attach(self, params: Sequence[Any], callbacks: Sequence[Any] = ()) -> None:
+        # Passed straight on, so that MegEngine's own callbacks (make_allreduce_cb, which
+        # asks for the GradManager running backward) work unchanged.
+        self.gm.attach(params, callbacks=list(callbacks))
 
     def record(self) -> None:
         self.gm.record()
@@ -357,3 +359,50 @@ class MegEngineBackend:
 
     def skipped_step_result(self, optimizer: Any) -> Any:
         return optimizer  # MegEngine's step() returns self: opt.step().clear_grad()
+
+    # -- distributed (optional part of the interface) -----------------------------------
+    # MegEngine's collectives run on GPUs with NCCL only (megengine.distributed rejects
+    # "cpu"). Its data-parallel gradients are identical on every rank after
+    # make_allreduce_cb, so these serve GradScaler(process_group=...) alone.
+    def world_group(self) -> Any:
+        from megengine import distributed as dist
+
+        if not dist.is_distributed() or dist.get_world_size() < 2:
+            return None
+        return dist.group.WORLD
+
+    def check_group(self, group: Any) -> None:
+        from megengine import distributed as dist
+
+        if not dist.is_distributed():
+            raise RuntimeError(
+                "GradScaler(process_group=...) was given a group, but megengine.distributed"
+                " is not initialised (it runs on GPUs with NCCL only): launch the workers"
+                " with megengine.distributed.launcher or init_process_group() first."
+            )
+        if not isinstance(group, dist.group.Group):
+            raise TypeError(
+                f"GradScaler process_group must be a megengine.distributed Group (e.g."
+                f" megengine.distributed.group.WORLD or one from new_group()); got"
+                f" {type(group).__name__} {group!r}."
+            )
+
+    def grad_kind(self, param: Any) -> str:
+        return "local"
+
+    def zero_grad_like(self, param: Any) -> Any:
+        return F.zeros_like(param)
+
+    def clean_flag(self, params: Sequence[Any], group: Any) -> Any:
+        device = params[0].device if params else None
+        return [megengine.tensor(0, dtype="int32", device=device)]
+
+    def all_reduce_max_async(self, flag: Any, group: Any) -> tuple[Any, Any]:
+        from megengine.distributed.functional import all_reduce_max
+
+        # One value per device from the fused kernel; MegEngine queues ops
+        # asynchronously, so there is no handle to wait for.
+        total = flag[0]
+        for f in flag[1:]:
+            total = total + f.to(total.device)
+        return [all_reduce_max(total, group)], None
