@@ -424,7 +424,11 @@ class TorchBackend:
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float,
                        norm_type: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        # Under FSDP2 the norm is a DTensor; torch 2.7 and 2.8 read its float as this rank's
+        # local part, so ask for the global value explicitly.
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full is not None else norm)
 
     # -- loss scaling -----------------------------------------------------------------
     def _scale_tensor(self, scale: float, device: torch.device) -> torch.Tensor:
