@@ -29,7 +29,7 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
 # passed on (README, "Supported versions"). The install hints quote them, because no
 # package index serves unified_amp itself; tests/test_packaging.py keeps the two equal.
 REQUIREMENTS: dict[str, tuple[str, ...]] = {
-    "torch": ("torch>=2.5,<2.15",),
+    "torch": ("torch>=2.7,<2.15",),
     "megengine": ("megengine==1.13.*", "numpy<2", "opencv-python<4.11", "setuptools<80.9"),
 }
 _AUTO_ORDER = ("torch", "megengine")
