@@ -22,6 +22,7 @@ from .errors import (
     UnknownBackendError,
     UnsupportedPrecisionError,
 )
+from .forensics import OverflowReport, OverflowWarning, trace_forward
 from .grad import GradManager, clip_grad_norm
 from .scaler import GradScaler
 
@@ -33,6 +34,9 @@ __all__ = [
     "GradScaler",
     "GradManager",
     "clip_grad_norm",
+    "trace_forward",
+    "OverflowReport",
+    "OverflowWarning",
     "set_backend",
     "get_backend",
     "available_backends",

@@ -30,19 +30,26 @@ class Check:
     """One fused check (usually with unscale) over a set of gradients.
 
     ``flag`` is the adapter's device-side flag (None when there were no gradients);
-    ``found`` is the host verdict once read (None while unread).
+    ``found`` is the host verdict once read (None while unread). ``on_overflow`` runs
+    once if that read finds an inf/NaN (the overflow report, forensics.py); it is
+    dropped unrun once the verdict is known, so a clean check costs nothing more.
     """
 
-    __slots__ = ("flag", "found", "__weakref__")
+    __slots__ = ("flag", "found", "on_overflow", "__weakref__")
 
-    def __init__(self, flag: Any, found: bool | None) -> None:
+    def __init__(self, flag: Any, found: bool | None,
+                 on_overflow: Callable[[], None] | None = None) -> None:
         self.flag = flag
         self.found = found
+        self.on_overflow = on_overflow
 
     def verdict(self, read: Callable[[Any], bool]) -> bool:
         """The host verdict, reading the flag (a host sync) the first time only."""
         if self.found is None:
             self.found = bool(read(self.flag))
+            hook, self.on_overflow = self.on_overflow, None
+            if self.found and hook is not None:
+                hook()  # before anyone drops the gradients it describes
         return self.found
 
 

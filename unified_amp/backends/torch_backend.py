@@ -396,6 +396,50 @@ class TorchBackend:
     def flag_is_set(self, flag: torch.Tensor) -> bool:
         return bool(flag.item())
 
+    # -- overflow forensics: after an overflow, or while tracing ----------------------
+    def nonfinite_counts(self, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+        if not tensors:
+            return []
+        with torch.no_grad():
+            counts = []
+            for t in tensors:
+                t = t._values() if t.is_sparse else t
+                counts.append(torch.stack([torch.isinf(t).sum(), torch.isnan(t).sum()]))
+            target = counts[0].device
+            rows = torch.stack([c.to(target) for c in counts]).tolist()  # the one read
+        return [(int(n_inf), int(n_nan)) for n_inf, n_nan in rows]
+
+    def finite_flag(self, tensor: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+        finite = torch.isfinite(tensor.detach())
+        if not per_row:
+            return finite.all()
+        return finite if finite.dim() == 1 else finite.flatten(1).all(dim=1)
+
+    def read_finite_flags(self, flags: Sequence[torch.Tensor]) -> list[list[bool]]:
+        if not flags:
+            return []
+        target = flags[0].device
+        flat = torch.cat([f.reshape(-1).to(target) for f in flags]).tolist()  # one read
+        out, start = [], 0
+        for f in flags:
+            out.append(flat[start:start + f.numel()])
+            start += f.numel()
+        return out
+
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, torch.nn.Module)
+
+    def named_modules(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
+        return list(model.named_modules())
+
+    def named_parameters(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
+        return list(model.named_parameters())
+
+    def add_forward_hook(self, module: torch.nn.Module, hook: Any, pre: bool = False) -> Any:
+        if pre:
+            return module.register_forward_pre_hook(hook)
+        return module.register_forward_hook(hook)
+
     # -- fused optimizers (optional part of the interface) ------------------------------
     def steps_on_device(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` takes ``grad_scale``/``found_inf`` and skips on the
