@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from collections import defaultdict
 from typing import Any, Sequence
@@ -409,21 +410,30 @@ class TorchBackend:
             rows = torch.stack([c.to(target) for c in counts]).tolist()  # the one read
         return [(int(n_inf), int(n_nan)) for n_inf, n_nan in rows]
 
-    def finite_flag(self, tensor: torch.Tensor, per_row: bool = False) -> torch.Tensor:
-        finite = torch.isfinite(tensor.detach())
+    def finite_flag(self, tensor: torch.Tensor, per_row: bool = False) -> Any:
+        # min and max propagate NaN and hold any +-inf: one reduction kernel, about ten
+        # times cheaper than isfinite().all() (a composite of four kernels) on CPU.
+        t = tensor.detach()
+        if t.numel() == 0:
+            zeros = torch.zeros(t.shape[0] if per_row else (), device=t.device)
+            return zeros, zeros
         if not per_row:
-            return finite.all()
-        return finite if finite.dim() == 1 else finite.flatten(1).all(dim=1)
+            return torch.aminmax(t)
+        return torch.aminmax(t.flatten(1) if t.dim() > 1 else t.unsqueeze(1), dim=1)
 
-    def read_finite_flags(self, flags: Sequence[torch.Tensor]) -> list[list[bool]]:
+    def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
         if not flags:
             return []
-        target = flags[0].device
-        flat = torch.cat([f.reshape(-1).to(target) for f in flags]).tolist()  # one read
+        target = flags[0][0].device
+        parts = [v.reshape(-1).float().to(target) for flag in flags for v in flag]
+        values = torch.cat(parts).tolist()  # the one read
         out, start = [], 0
-        for f in flags:
-            out.append(flat[start:start + f.numel()])
-            start += f.numel()
+        for flag in flags:
+            n = flag[0].numel()
+            lows, highs = values[start:start + n], values[start + n:start + 2 * n]
+            out.append([math.isfinite(lo) and math.isfinite(hi)
+                        for lo, hi in zip(lows, highs)])
+            start += 2 * n
         return out
 
     def is_module(self, obj: Any) -> bool:
