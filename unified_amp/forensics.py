@@ -40,7 +40,6 @@ __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning"
            "ForwardTrace", "trace_forward"]
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
-_LARGEST = {"float16": "65504", "bfloat16": "3.4e38"}
 _LISTED = 5  # gradients named in a report line; the rest are counted
 
 
@@ -123,9 +122,11 @@ class OverflowReport:
     def cause(self) -> str:
         """Where the inf/NaN most likely came from, as a short code.
 
-        ``"input"``: the traced model's input held it. ``"forward-low-precision"``: a
-        module's output first went non-finite in float16/bfloat16 (an activation
-        overflow). ``"forward-float32"``: it did in float32 (a genuine inf/NaN, not a
+        ``"input"``: the traced model's input held it. ``"forward-float16"``: a
+        module's output first went non-finite in float16 (an activation past 65504).
+        ``"forward-bfloat16"``: it did in bfloat16, which has float32's range (no
+        overflow; low precision in an op that cancels or divides, or a genuine
+        inf/NaN). ``"forward-float32"``: it did in float32 (a genuine inf/NaN, not a
         precision problem). ``"loss"``: every traced output was finite, the loss was
         not. ``"backward"``: the forward pass (or the loss) was finite, so the scaled
         gradients overflowed on the way back. ``"forward"``: the loss was non-finite
@@ -136,8 +137,8 @@ class OverflowReport:
             if self.bad_samples:
                 return "input"
             if self.first_nonfinite is not None:
-                low = self.first_nonfinite.dtype in LOW_PRECISION
-                return "forward-low-precision" if low else "forward-float32"
+                dtype = self.first_nonfinite.dtype
+                return f"forward-{dtype if dtype in LOW_PRECISION else 'float32'}"
             return "loss" if finite_loss is False else "backward"
         if finite_loss is None:
             return "unknown"
@@ -150,10 +151,15 @@ class OverflowReport:
             samples = ", ".join(map(str, self.bad_samples))
             return (f"the model's input holds inf/NaN in sample(s) {samples}: bad data,"
                     f" not precision")
-        if cause == "forward-low-precision":
-            return (f"first non-finite forward output: {first.describe()}, a"
-                    f" {first.dtype} overflow (|x| > {_LARGEST[first.dtype]}): run that"
-                    f" op in float32 (autocast(enabled=False)) or use bfloat16")
+        if cause == "forward-float16":
+            return (f"first non-finite forward output: {first.describe()}, a float16"
+                    f" overflow (|x| > 65504): run that op in float32"
+                    f" (autocast(enabled=False)) or use bfloat16")
+        if cause == "forward-bfloat16":
+            return (f"first non-finite forward output: {first.describe()}: not an"
+                    f" overflow (bfloat16 has float32's range); if that op cancels or"
+                    f" divides, run it in float32 (autocast(enabled=False)), else the"
+                    f" inf/NaN is genuine")
         if cause == "forward-float32":
             return (f"first non-finite forward output: {first.describe()}, computed in"
                     f" {first.dtype}: a genuine inf/NaN, not a precision overflow")
