@@ -63,7 +63,7 @@ EXPECTED = {  # (case, traced): report.as_dict() without its line
     ("float16", True): dict(
         loss=math.inf, gradients=grads("inf", *ALL), bad_samples=[],
         first_nonfinite={"module": "1", "type": "Linear", "dtype": "float16"},
-        cause="forward-low-precision"),
+        cause="forward-float16"),
     ("float16", False): dict(
         loss=math.inf, gradients=grads("inf", *ALL), first_nonfinite=None,
         bad_samples=[], cause="forward"),
