@@ -52,8 +52,11 @@ class Backend(Protocol):
         """Raises UnsupportedPrecisionError if ``dtype`` cannot be computed on ``device``
         (None: every device autocast would touch)."""
 
-    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None) -> Any:
-        """Switches autocast on or off; returns a token that restores the outer state."""
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                       contract: bool = True) -> Any:
+        """Switches autocast on or off; returns a token that restores the outer state.
+        ``contract`` False leaves the framework's own op lists unchanged (no dtype
+        contract inside this block)."""
 
     def exit_autocast(self, token: Any) -> None:
         """Restores the state saved in ``token``."""
@@ -120,9 +123,17 @@ class Backend(Protocol):
         (``pre``: ``hook(module, inputs)`` before it); returns a handle whose
         ``remove()`` takes it off again."""
 
-    # -- optional: optimizers that skip on the device ----------------------------------
-    # An adapter may also provide ``steps_on_device(optimizer) -> bool`` and
-    # ``device_scale(optimizer, scale, growth_tracker, skipped_steps)``, returning an
-    # object that keeps the scale on the device (see backends/torch_backend.py,
-    # _DeviceScale). GradScaler switches to it the first time such an optimizer steps,
-    # so that its steps need no host sync. MegEngine has no such optimizers.
+    # -- optional primitives (the core asks with getattr and copes without) -------------
+    # ``grad_version(grad) -> int``: a counter every in-place write to ``grad`` bumps
+    #   (torch's ``_version``); lets the scaler's ledger tell new gradient generations
+    #   from old ones without a new object.
+    # ``watch_backward(tensor, callback) -> bool``: arranges for ``callback()`` to run when
+    #   a backward pass goes through ``tensor`` (a scale() output); False if it cannot.
+    # ``scaler_class(device) -> type``: a subclass of unified_amp.GradScaler that
+    #   GradScaler(...) should instantiate (torch: one that is also torch.amp.GradScaler).
+    # ``steps_on_device(optimizer) -> bool`` and
+    #   ``device_scale(optimizer, scale, growth_tracker, skipped_steps)``: for optimizers
+    #   that skip a step on the device by themselves; the latter returns an object that
+    #   keeps the scale on the device (see backends/torch_backend.py, _DeviceScale).
+    #   GradScaler switches to it the first time such an optimizer steps, so that its
+    #   steps need no host sync. MegEngine has no such optimizers.

@@ -269,6 +269,8 @@ class GradScaler:
         self._ledger = GradLedger()
         self._updated_by_backward = False  # the last update() was backward()'s own
         self._forensics = Forensics(self)  # overflow reports (forensics.py)
+        # optimizer id -> the checks behind its last step after backward()'s update()
+        self._tail: dict[int, list[Check]] = {}
         self._new_iteration()
 
     # -- internals ----------------------------------------------------------------------
@@ -295,9 +297,10 @@ class GradScaler:
             state = self._opt_states[id(optimizer)] = _OptState()
         return state
 
-    def _version(self, grad: Any) -> int | None:
-        version = getattr(self._be(), "grad_version", None)
-        return None if version is None else version(grad)
+    @property
+    def _version(self) -> Any:
+        """The adapter's gradient version counter, or a stand-in that has none."""
+        return getattr(self._be(), "grad_version", _no_version)
 
     def _steps_on_device(self, optimizer: Any) -> bool:
         backend = self._be()
@@ -321,8 +324,9 @@ class GradScaler:
         """``params`` with a gradient that still needs unscaling, and the checks that
         already covered the rest (from the ledger)."""
         pending, done = [], {}
+        version = self._version
         for p in params:
-            check = self._ledger.lookup(p, self._version)
+            check = self._ledger.lookup(p, version)
             if check is not None:
                 done[id(check)] = check
             elif p.grad is not None:
@@ -582,6 +586,11 @@ class GradScaler:
         on_device = self._steps_on_device(optimizer)
         params = params_of(optimizer, self._be(), "GradScaler.step()")
         pending, done = self._split(params)
+        if state.stage is _Stage.READY and not pending and done and not any(
+                c is k for c in done for k in self._checks):
+            # Every gradient was decided by checks that an update() already consumed:
+            # scaler.backward(gm, loss) then step(opt). This step ends that iteration.
+            return self._tail_step(optimizer, done, on_device, args, kwargs)
         checks = list(state.checks)
         checks += [c for c in done if all(c is not k for k in checks)]
         fused_unscale = False
@@ -594,7 +603,6 @@ class GradScaler:
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
                 self._ledger.record(pending, check, self._version)
-            state.checks.append(check)
             checks.append(check)
         if not checks and not on_device:
             raise RuntimeError(
@@ -602,19 +610,36 @@ class GradScaler:
                 " has a gradient. Run the scaled backward pass before"
                 " scaler.step(optimizer)."
             )
-        if any(c.found is True for c in checks):
-            result = None
-        elif on_device:
-            result = self._dev.step(optimizer, fused_unscale,
-                                    [c.flag for c in checks if c.flag is not None],
-                                    args, kwargs)
-        elif any(c.verdict(self._read) for c in checks):  # the one sync per step
-            result = None
-        else:
-            result = optimizer.step(*args, **kwargs)
+        result = self._step_unless_found(optimizer, checks, on_device, fused_unscale,
+                                         args, kwargs)
         state.stage = _Stage.STEPPED
         state.checks = checks  # every check that decided this step
         return result
+
+    def _step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
+                           fused_unscale: bool, args: tuple, kwargs: dict) -> Any:
+        if any(c.found is True for c in checks):
+            return None
+        if on_device:
+            return self._dev.step(optimizer, fused_unscale,
+                                  [c.flag for c in checks if c.flag is not None],
+                                  args, kwargs)
+        if any(c.verdict(self._read) for c in checks):  # the one sync per step
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _tail_step(self, optimizer: Any, checks: list[Check], on_device: bool,
+                   args: tuple, kwargs: dict) -> Any:
+        previous = self._tail.get(id(optimizer))
+        if previous is not None and len(previous) == len(checks) and all(
+                any(c is k for k in previous) for c in checks):
+            raise RuntimeError(
+                "step() has already been called on these gradients: scaler.backward(gm,"
+                " loss) unscaled them and called update(), and scaler.step(optimizer)"
+                " then stepped them once. Run the next backward pass first."
+            )
+        self._tail[id(optimizer)] = checks
+        return self._step_unless_found(optimizer, checks, on_device, False, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the
@@ -893,6 +918,7 @@ class GradScaler:
         state["_dev"] = None  # device tensors are remade at the next fused step
         state["_ledger"] = GradLedger()  # it refers to live tensors, weakly
         state["_forensics"] = None  # it refers to models; watch() again after loading
+        state["_tail"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -906,6 +932,10 @@ class GradScaler:
             f" backoff_factor={self._backoff_factor},"
             f" growth_interval={self._growth_interval}, enabled={self._enabled})"
         )
+
+
+def _no_version(grad: Any) -> None:
+    return None
 
 
 def _numel(t: Any) -> int:

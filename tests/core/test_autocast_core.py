@@ -91,3 +91,33 @@ def test_exception_inside_block_still_restores(fake):
         with amp.autocast(dtype="float16"):
             raise KeyError("boom")
     assert fake.autocast_state == [(False, None)]
+
+
+def test_signatures_are_explicit():
+    import inspect
+
+    assert list(inspect.signature(amp.autocast).parameters)[:4] == [
+        "enabled", "dtype", "device", "contract"]
+    assert list(inspect.signature(amp.GradScaler).parameters) == [
+        "init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
+        "device"]
+
+
+def test_call_form_errors_name_the_class_and_the_forms():
+    with pytest.raises(TypeError, match=r"autocast\(\): .*unexpected keyword.*call forms"):
+        amp.autocast(dtpye="float16")
+    with pytest.raises(TypeError, match=r"GradScaler\(\): .*call forms"):
+        amp.GradScaler(init_scael=2.0)
+
+
+def test_a_dtype_in_the_device_slot_gets_a_hint():
+    with pytest.raises(ValueError, match=r"'float16' is a dtype.*autocast\(dtype='float16'\)"):
+        amp.autocast("float16")
+
+
+def test_torch_keyword_spellings_are_accepted(fake):
+    ctx = amp.autocast(device_type="cpu", dtype="bfloat16", enabled=True, cache_enabled=False)
+    assert (ctx.enabled, ctx.dtype, ctx.device, ctx.contract) == (True, "bfloat16", "cpu", True)
+    fake.refuse = set()
+    with amp.autocast(device_type="cpu", dtype="bfloat16", contract=False):
+        assert amp.is_autocast_enabled()

@@ -470,3 +470,102 @@ def test_stats_before_any_step():
             "scale": 8.0, "growth_tracker": 0, "steps": 0, "skipped_steps": 0,
             "last_step_skipped": False, "enabled": True, "as_of_step": 0,
             "overflows": []}
+
+
+# -- gradient generations ----------------------------------------------------------------
+def test_automatic_mode_then_step_twice_is_an_error_but_the_next_iteration_is_not(fake):
+    params, opt = make_model()
+    scaler = amp.GradScaler(init_scale=4.0)
+    gm = amp.GradManager(params)
+    with gm:
+        scaler.backward(gm, linear_loss(params, [[1.0, 1.0], [1.0]]))
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="already been called on these gradients"):
+        scaler.step(opt)
+    assert opt.steps == 1 and fake.syncs == 1  # the verdict was read once, in backward()
+    gm.zero_grad()
+    # manual mode right after: a new generation, a new iteration
+    with gm:
+        gm.backward(scaler.scale(linear_loss(params, [[1.0, 1.0], [1.0]])))
+    scaler.unscale(gm)
+    scaler.step(opt)
+    scaler.update()
+    assert opt.steps == 2 and scaler.stats()["steps"] == 2
+
+
+def test_unscale_again_after_new_gradients_without_update_is_allowed(fake):
+    """megengine.amp's pattern: backward(update_scale=False) every iteration."""
+    params, opt = make_model()
+    scaler = amp.GradScaler(init_scale=4.0)
+    gm = amp.GradManager(params)
+    for _ in range(3):
+        with gm:
+            scaler.backward(gm, linear_loss(params, [[1.0, 1.0], [1.0]]), update_scale=False)
+        assert params[1].grad.values == [1.0]
+        opt.step()
+        gm.zero_grad()
+    scaler.update()
+    assert scaler.stats()["steps"] == 1
+
+
+def test_overflow_verdict_outlives_update_until_the_next_backward(fake):
+    """backward() drops the overflowed gradients and updates; step() afterwards skips;
+    the next backward starts a new generation whose clean verdict steps."""
+    params, opt = make_model()
+    scaler = amp.GradScaler(init_scale=4.0)
+    gm = amp.GradManager(params)
+    with gm:
+        scaler.backward(gm, linear_loss(params, [[math.inf, 1.0], [1.0]]))
+    assert all(p.grad is None for p in params)
+    assert scaler.step(opt) is None and opt.steps == 0
+    with gm:
+        scaler.backward(gm, linear_loss(params, [[1.0, 1.0], [1.0]]))
+    assert scaler.step(opt) == "stepped"
+
+
+def test_torch_forms_keep_non_finite_gradients_megengine_forms_drop_them(fake):
+    for call, kept in (("unscale_", True), ("unscale", False)):
+        params, opt = make_model()
+        scaler = amp.GradScaler(init_scale=4.0)
+        gm = _scaled_backward_with(scaler, params, math.inf)
+        getattr(scaler, call)(opt if call == "unscale_" else gm)
+        assert all((p.grad is not None) == kept for p in params)
+        assert scaler.step(opt) is None and opt.steps == 0
+        scaler.update()
+        assert scaler.get_scale() == 2.0
+
+
+def _scaled_backward_with(scaler, params, first):
+    gm = amp.GradManager(params)
+    with gm:
+        gm.backward(scaler.scale(linear_loss(params, [[first] + [1.0] * (len(p.values) - 1)
+                                                      for p in params])))
+    return gm
+
+
+def test_a_replaced_gradient_is_a_new_generation(fake):
+    params, opt = make_model()
+    scaler = amp.GradScaler(init_scale=4.0)
+    gm = _scaled_backward_with(scaler, params, 1.0)
+    scaler.unscale(gm)
+    with pytest.raises(RuntimeError, match="already been called on these gradients"):
+        scaler.unscale(gm)
+    for p in params:  # the user puts freshly scaled gradients in place
+        p.grad = FakeTensor([v * 4.0 for v in p.grad.values])
+    scaler.unscale(gm)
+    assert params[1].grad.values == [1.0]
+
+
+def test_accumulating_into_unscaled_gradients_needs_a_new_scale(fake):
+    """The fake backend has no version counter (like MegEngine): a scale() handed out
+    after the unscale is what marks the gradients as a new generation."""
+    params, opt = make_model()
+    scaler = amp.GradScaler(init_scale=4.0)
+    gm = _scaled_backward_with(scaler, params, 1.0)
+    scaler.unscale(gm)
+    with gm:
+        gm.backward(scaler.scale(linear_loss(params, [[1.0, 1.0], [1.0]])))
+    scaler.unscale(gm)  # allowed: new scaled backward
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.stats()["steps"] == 1

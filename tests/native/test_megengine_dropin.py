@@ -154,3 +154,26 @@ def test_swapping_only_the_scaler_leaves_megengine_functions_untouched():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.stdout.split()[-2:] == ["True", "False"], proc.stderr[-2000:]
+
+
+def test_contract_false_reproduces_megengine_autocast_bit_for_bit():
+    def run(autocast_factory):
+        model, batches = model_and_data()
+        gm = GradManager().attach(model.parameters())
+        opt = optim.SGD(model.parameters(), lr=0.05)
+        scaler = NATIVE(init_scale=2.0**4)
+        for i in range(6):
+            x, y = batch(batches, i, False)
+            with autocast_factory():
+                with gm:
+                    logits = model(x)
+                    loss = -F.log(F.softmax(logits, axis=1)[:, 0]).mean() + logits.sum() * 0
+                    scaler.backward(gm, loss)
+            opt.step().clear_grad()
+        return [p.numpy().tobytes() for p in model.parameters()]
+
+    native = run(lambda: megengine.amp.autocast())
+    contract = run(lambda: unified_amp.autocast(dtype="float16"))
+    plain = run(lambda: unified_amp.autocast(dtype="float16", contract=False))
+    assert plain == native
+    assert contract != native  # softmax and sum run in float32 under the contract

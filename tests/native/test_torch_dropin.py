@@ -152,3 +152,36 @@ def test_scale_history_matches_torch_amp_through_underflow():
     assert native == ours
     # 2**16 * 2**-160 is a float32 subnormal (torch does not flush it); 2**-154 is not
     assert native[0][159] == 2.0**-144 and native[0][-1] == 0.0
+
+
+def layernorm_mlp_run(autocast_factory, steps=30):
+    """A LayerNorm/softmax MLP trained in bfloat16 autocast, with torch.amp's scaler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                                torch.nn.GELU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=g), torch.randint(0, 8, (16,), generator=g)
+        with autocast_factory():
+            logits = model(x)
+            loss = -(logits.log_softmax(-1).gather(1, y[:, None])).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return [p.detach().numpy().tobytes() for p in model.parameters()]
+
+
+def test_contract_false_reproduces_torch_autocast_bit_for_bit():
+    native = layernorm_mlp_run(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    # once with the contract on first, so its kernels are registered in this process
+    contract = layernorm_mlp_run(lambda: unified_amp.autocast("cpu", dtype=torch.bfloat16))
+    plain = layernorm_mlp_run(
+        lambda: unified_amp.autocast("cpu", dtype=torch.bfloat16, contract=False))
+    keyword = layernorm_mlp_run(
+        lambda: unified_amp.autocast(device_type="cpu", dtype=torch.bfloat16,
+                                     contract=False))
+    assert plain == native and keyword == native
+    assert contract != native  # the dtype contract does change numerics (documented)
