@@ -337,3 +337,15 @@ def test_a_trace_stands_alone_without_a_scaler(fake):
         trace.clear()
         assert trace.first_nonfinite() == (None, ())
     assert repr(trace) == "ForwardTrace(FakeModule, stopped)"
+
+
+def test_the_api_reference_quotes_a_line_the_contract_tests_assert():
+    import pathlib
+    import re
+
+    from ..contract.test_forensics_contract import LINES
+
+    api = pathlib.Path(__file__).resolve().parents[2] / "docs" / "API.md"
+    section = api.read_text().split("`str(report)` is one line", 1)[1]
+    quoted = re.search(r"```\n(.*?)\n```", section, re.S).group(1)
+    assert quoted == LINES["float16", True]
