@@ -1,4 +1,5 @@
-"""The benchmark CLI: ``python -m benchmarks.bench [--quick] [--tf32 both] [--out DIR]``.
+"""The benchmark CLI: ``python -m benchmarks.bench [--quick] [--tf32 both] [--sections ...]
+[--out DIR]``.
 
 For a ResNet-style conv net and a transformer block, on the backend named by
 ``UNIFIED_AMP_BACKEND`` and the device present (CUDA if the framework sees one):
@@ -11,7 +12,10 @@ For a ResNet-style conv net and a transformer block, on the backend named by
    drop-in); only the autocast swapped; the native step with the float32 casts of
    unified_amp's dtype contract written by hand, which separates the cost of those
    casts from unified_amp's own; and the unified step with overflow forensics, with
-   forward tracing on and off.
+   forward tracing on and off;
+4. apex's opt levels O0-O3 (``amp.initialize`` + ``amp.scale_loss``), interleaved, each
+   on its own copy of the model: step time, the bytes of weights + master weights +
+   optimizer state, and peak memory where the framework reports one, as ratios to O0.
 
 Writes ``<backend>-<device>[-quick].json`` and ``.png`` under ``--out``.
 """
@@ -19,6 +23,7 @@ Writes ``<backend>-<device>[-quick].json`` and ``.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -31,10 +36,12 @@ import unified_amp as amp
 
 from . import report
 from .common import SCHEDULE, SIZES, TARGET, WORKLOADS, lookup
-from .steps import forensics_step, precision_supported, unified_step
+from .steps import apex_step, forensics_step, precision_supported, unified_step
 from .timing import interleaved, round_ratios, spread
 
 PRECISIONS = (None, "float16", "bfloat16")  # None: the float32 baseline
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+SECTIONS = ("throughput", "overhead", "opt-levels")
 MEMORY_STEPS = 2
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,6 +65,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         " device runs one thread anyway. Ignored on CUDA")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)}; a subset writes"
+                        " <backend>-<device>[-quick]-<sections>.json, so it never"
+                        " overwrites a full run")
     p.add_argument("--warmup", type=int, help="untimed steps per variant before timing")
     p.add_argument("--rounds", type=int, help="throughput rounds")
     p.add_argument("--steps", type=int, help="steps per variant per throughput round")
@@ -71,6 +82,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.workloads:
         p.error(f"--workloads: unknown {bad}; choose from {', '.join(WORKLOADS)}")
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in args.sections if s not in SECTIONS]
+    if bad or not args.sections:
+        p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     for name in ("threads", "warmup", "rounds", "steps", "overhead_rounds", "overhead_steps"):
         value, least = getattr(args, name), 0 if name in ("threads", "warmup") else 1
         if value is not None and value < least:
@@ -242,6 +257,87 @@ def overhead(kit: Any, w: Any, gm: Any, dtype: str, sched: dict[str, int],
     }
 
 
+def _initialized(kit: Any, name: str, size: dict[str, int], seed: int, level: str,
+                 dtype: str) -> tuple[Any, Any, amp.GradScaler, dict[str, Any]]:
+    """A fresh workload through ``amp.initialize`` at ``level``: (workload, its apex
+    step, its loss scaler, the resolved opt-level properties)."""
+    w = kit.build(name, size, seed)
+    w.model, w.optimizer = amp.initialize(w.model, w.optimizer, opt_level=level,
+                                          low_dtype=dtype)
+    return (w, apex_step(w, amp.GradManager(w.params)), amp.loss_scaler(),
+            dataclasses.asdict(amp.opt_properties()))
+
+
+def _state_bytes(kit: Any, w: Any) -> dict[str, int]:
+    """Bytes of the weights, the master weights and the optimizer state of ``w``."""
+    ids = {id(p) for p in w.params}
+    masters = [m for m in amp.master_params(w.optimizer) if id(m) not in ids]
+    out = {"weights": kit.tensor_bytes(w.params),
+           "master_weights": kit.tensor_bytes(masters),
+           "optimizer_state": kit.tensor_bytes(kit.optimizer_state(w.optimizer))}
+    out["total"] = sum(out.values())
+    return out
+
+
+def opt_levels(kit: Any, name: str, size: dict[str, int], seed: int, dtype: str,
+               sched: dict[str, int], measure_memory: bool, progress: Any
+               ) -> dict[str, Any]:
+    """O0-O3 through amp.initialize on copies of one workload, interleaved; ratios to O0."""
+    reason = precision_supported(dtype, kit.device)
+    if reason:
+        return {"skipped": True, "reason": reason}
+    workloads, variants, scalers, props = {}, {}, {}, {}
+    for level in OPT_LEVELS:
+        workloads[level], variants[level], scalers[level], props[level] = _initialized(
+            kit, name, size, seed, level, dtype)
+    failures = _first_steps(variants, kit, progress)
+    times = interleaved(variants, kit, warmup=max(sched["warmup"] - 1, 0),
+                        rounds=sched["rounds"], steps=sched["steps"], progress=progress)
+    records: dict[str, Any] = dict(failures)
+    for level in variants:
+        w = workloads[level]
+        rec = {
+            "properties": props[level],
+            "step_time_s": spread(times[level]["per_round"]),
+            "per_round_step_time_s": times[level]["per_round"],
+            "step_time_vs_O0": (spread(round_ratios(times, level, "O0"))
+                                if "O0" in times else None),
+            "bytes": _state_bytes(kit, w),
+            "final_loss": times[level]["losses"][-1],
+            "scaler": scalers[level].stats(),
+        }
+        records[level] = rec
+    ran = list(variants)
+    variants.clear()  # the steps hold their GradManagers, and those the weights
+    for w in workloads.values():
+        kit.release(w)
+    if measure_memory:  # one workload alive at a time, so each peak is its own
+        for level in ran:
+            w, step, _, _ = _initialized(kit, name, size, seed, level, dtype)
+            kit.reset_peak_memory()
+            for _ in range(MEMORY_STEPS):
+                kit.read(step())
+            progress.update(MEMORY_STEPS)
+            records[level]["peak_memory_bytes"], source = kit.peak_memory()
+            records[level]["peak_memory_source"] = source
+            del step
+            kit.release(w)
+    base = records.get("O0", {})
+    for level, rec in records.items():
+        if rec.get("skipped"):
+            continue
+        rec["bytes_vs_O0"] = (rec["bytes"]["total"] / base["bytes"]["total"]
+                              if base.get("bytes") else None)
+        mem, base_mem = rec.get("peak_memory_bytes"), base.get("peak_memory_bytes")
+        rec["peak_memory_vs_O0"] = mem / base_mem if mem and base_mem else None
+    return {"low_dtype": dtype, "rounds": sched["rounds"], "steps_per_round": sched["steps"],
+            "optimizer": "SGD, momentum 0.9",
+            "step": "amp.initialize(model, optimizer, opt_level=...); per step:"
+                    " amp.scale_loss(loss, optimizer) + gm.backward(scaled_loss);"
+                    " optimizer.step(); gm.zero_grad()",
+            "levels": {lvl: records[lvl] for lvl in OPT_LEVELS if lvl in records}}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -272,23 +368,34 @@ def main(argv: list[str] | None = None) -> int:
     per_pass = supported * (sched["warmup"] + sched["rounds"] * sched["steps"]
                             + (MEMORY_STEPS if measure_memory else 0))
     per_overhead = 7 * (sched["warmup"] + sched["overhead_rounds"] * sched["overhead_steps"])
-    progress = _progress(len(args.workloads) * (len(tf32_passes) * per_pass + per_overhead))
+    per_levels = len(OPT_LEVELS) * (sched["warmup"] + sched["rounds"] * sched["steps"]
+                                    + (MEMORY_STEPS if measure_memory else 0))
+    sections = args.sections
+    per_workload = (len(tf32_passes) * per_pass * ("throughput" in sections)
+                    + per_overhead * ("overhead" in sections)
+                    + per_levels * ("opt-levels" in sections))
+    progress = _progress(len(args.workloads) * per_workload)
 
     workloads = {}
     for name in args.workloads:
         w = kit.build(name, sizes[name], args.seed)
         gm = amp.GradManager(w.params)
         passes = []
-        for tf32 in tf32_passes:
-            kit.tf32(tf32)
-            passes.append(throughput(kit, w, gm, tf32, sched, measure_memory, progress))
+        if "throughput" in sections:
+            for tf32 in tf32_passes:
+                kit.tf32(tf32)
+                passes.append(throughput(kit, w, gm, tf32, sched, measure_memory, progress))
         # The overhead runs under the first TF32 setting; it compares low-precision steps.
         kit.tf32(tf32_passes[0])
         workloads[name] = {"size": w.size, "batch": w.batch, "throughput": passes,
-                           "overhead": overhead(kit, w, gm, odtype, sched, progress),
+                           "overhead": (overhead(kit, w, gm, odtype, sched, progress)
+                                        if "overhead" in sections else None),
                            "overhead_tf32": tf32_passes[0]}
         del gm
         kit.release(w)
+        if "opt-levels" in sections:
+            workloads[name]["opt_levels"] = opt_levels(
+                kit, name, sizes[name], args.seed, odtype, sched, measure_memory, progress)
     progress.close()
 
     result = {
@@ -301,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "schedule": sched,
             "workloads": args.workloads,
+            "sections": sections,
             "overhead_dtype": odtype,
             "overhead_target": TARGET,
             "threads": args.threads,
@@ -319,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{backend}-{kit.device}" + ("-quick" if args.quick else "")
+    if list(sections) != list(SECTIONS):
+        stem += "-" + "-".join(sections)
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     report.write_json(result, json_path)
     report.plot(result, png_path)

@@ -229,6 +229,14 @@ class Kit:
                           " figure on CPU")
         return peak, "megengine.device.get_max_allocated_memory() after megengine._full_sync()"
 
+    def tensor_bytes(self, tensors: Any) -> int:
+        return sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize for t in tensors)
+
+    def optimizer_state(self, opt: Any) -> list[megengine.Tensor]:
+        """The optimizer's per-parameter state tensors (momentum buffers, ...)."""
+        return [v for st in opt._state.values() for v in st.values()
+                if isinstance(v, megengine.Tensor)]
+
     def release(self, w: Workload) -> None:
         """Frees the workload's memory before the next one is built."""
         w.model = w.params = w.optimizer = w.loss = None

@@ -147,14 +147,52 @@ def table(result: dict[str, Any]) -> str:
             legend[name] = f"{r['numerator']} / {r['denominator']}"
     if legend:
         lines.append("  where " + "; ".join(f"{k} = {v}" for k, v in legend.items()))
+    lines += _opt_level_lines(result)
     if result["notes"]:
         lines += ["", "Notes:"] + [f"- {n}" for n in result["notes"]]
     return "\n".join(lines)
 
 
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _opt_level_lines(result: dict[str, Any]) -> list[str]:
+    lines = ["", "apex opt levels (amp.initialize + amp.scale_loss; each level on its own copy"
+             " of the model, interleaved; ratios to O0 per round, median [IQR]):",
+             f"{'workload':12} {'level':5} {'low':4} {'step ms':>26} {'vs O0':>22}"
+             f" {'weights + masters + opt state':>34} {'vs O0':>6} {'peak (vs O0)':>20}"]
+    for wname, w in result["workloads"].items():
+        o = w.get("opt_levels")
+        if o is None:
+            continue
+        if o.get("skipped"):
+            lines.append(f"{wname:12} skipped: {o['reason']}")
+            continue
+        for level, v in o["levels"].items():
+            head = f"{wname:12} {level:5} {_SHORT[o['low_dtype']]:4}"
+            if v.get("skipped"):
+                lines.append(f"{head} {v['reason']}")
+                continue
+            r = v["step_time_vs_O0"]
+            ratio = "" if r is None else f"{r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}]"
+            b = v["bytes"]
+            parts = f"{_mib(b['weights'])} + {_mib(b['master_weights'])} +" \
+                    f" {_mib(b['optimizer_state'])}"
+            vs = "" if v["bytes_vs_O0"] is None else f"{v['bytes_vs_O0']:.3f}"
+            mem = v.get("peak_memory_bytes")
+            peak = "n/a" if mem is None else _mib(mem) + (
+                "" if v.get("peak_memory_vs_O0") is None else
+                f" ({v['peak_memory_vs_O0']:.2f}x)")
+            lines.append(f"{head} {_ms(v['step_time_s']):>26} {ratio:>22} {parts:>34}"
+                         f" {vs:>6} {peak:>20}")
+    return lines if len(lines) > 3 else []
+
+
 # -- the plot -------------------------------------------------------------------------
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Throughput bars per workload (IQR whiskers) and the overhead ratios, as a PNG."""
+    """Throughput bars per workload (IQR whiskers), the overhead ratios and the opt-level
+    ratios, as a PNG: one panel each, for the sections that ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,46 +201,69 @@ def plot(result: dict[str, Any], path: Path) -> None:
     workloads = result["workloads"]
     bars = max(sum(len(tp["variants"]) for tp in w["throughput"]) for w in workloads.values())
     panel = max(5.0, 1.1 * bars + 1.0)  # room for each bar's three-line label
-    fig, axes = plt.subplots(1, len(workloads) + 1, layout="constrained",
-                             figsize=(panel * len(workloads) + 5.5, 4.8),
-                             width_ratios=[panel] * len(workloads) + [5.5])
+    panels: list[tuple[float, Any]] = []
+    if bars:
+        for wname, w in workloads.items():
+            panels.append((panel, lambda ax, wname=wname, w=w: _plot_throughput(ax, wname, w)))
+    if any(w.get("overhead") and not w["overhead"].get("skipped")
+           for w in workloads.values()):
+        panels.append((5.5, lambda ax: _plot_overhead(ax, result)))
+    if any(w.get("opt_levels") and not w["opt_levels"].get("skipped")
+           for w in workloads.values()):
+        panels.append((5.5, lambda ax: _plot_opt_levels(ax, workloads)))
+    widths = [width for width, _ in panels] or [5.5]
+    fig, axes = plt.subplots(1, len(widths), layout="constrained", squeeze=False,
+                             figsize=(max(sum(widths), 9.0), 4.8), width_ratios=widths)
+    for ax, (_, draw) in zip(axes[0], panels):
+        draw(ax)
+    cfg, m = result["config"], result["machine"]
+    threads = f", {m['threads']} CPU thread(s)" if m["device"] == "cpu" else ""
+    fig.suptitle(f"{cfg['backend']} {m['framework_version']} on {m['device_name']}{threads}"
+                 f" ({cfg['mode']} mode, {result['date'][:10]})", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_throughput(ax: Any, wname: str, w: dict[str, Any]) -> None:
     colors = {"float32": "#4c72b0", "float16": "#dd8452", "bfloat16": "#55a868"}
-    for ax, (wname, w) in zip(axes, workloads.items()):
-        labels, heights, errs, cols, notes = [], [], [[], []], [], []
-        for tp in w["throughput"]:
-            for prec, v in tp["variants"].items():
-                label = _SHORT[prec]
-                if tp["tf32"] is not None:
-                    label += f"\ntf32 {_tf32(tp['tf32'])}"
-                labels.append(label)
-                cols.append(colors[prec])
-                if v.get("skipped"):
-                    heights.append(0.0)
-                    errs[0].append(0.0)
-                    errs[1].append(0.0)
-                    notes.append("skipped")
-                    continue
-                lo, hi = v["samples_per_s_iqr"]
-                heights.append(v["samples_per_s"])
-                errs[0].append(max(v["samples_per_s"] - lo, 0.0))
-                errs[1].append(max(hi - v["samples_per_s"], 0.0))
-                note = f"{v['samples_per_s']:.4g}/s"
-                if v["speedup_vs_fp32"] is not None:
-                    note += f"\n{v['speedup_vs_fp32']['median']:.2f}x fp32"
-                if v["peak_memory_bytes"] is not None:
-                    note += f"\npeak {v['peak_memory_bytes'] / 2**30:.2f} GiB"
-                notes.append(note)
-        xs = range(len(labels))
-        ax.bar(xs, heights, yerr=errs, color=cols, capsize=4)
-        top = max([h + e for h, e in zip(heights, errs[1])] + [1.0])
-        for x, h, e, note in zip(xs, heights, errs[1], notes):
-            ax.text(x, h + e + top * 0.02, note, ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(list(xs), labels)
-        ax.set_ylim(0, top * 1.25)
-        ax.set_ylabel("samples / s (higher is better)")
-        size = ", ".join(f"{k}={v}" for k, v in w["size"].items())
-        ax.set_title(f"{wname}: training throughput\n{size}", fontsize=9)
-    ax = axes[-1]
+    labels, heights, errs, cols, notes = [], [], [[], []], [], []
+    for tp in w["throughput"]:
+        for prec, v in tp["variants"].items():
+            label = _SHORT[prec]
+            if tp["tf32"] is not None:
+                label += f"\ntf32 {_tf32(tp['tf32'])}"
+            labels.append(label)
+            cols.append(colors[prec])
+            if v.get("skipped"):
+                heights.append(0.0)
+                errs[0].append(0.0)
+                errs[1].append(0.0)
+                notes.append("skipped")
+                continue
+            lo, hi = v["samples_per_s_iqr"]
+            heights.append(v["samples_per_s"])
+            errs[0].append(max(v["samples_per_s"] - lo, 0.0))
+            errs[1].append(max(hi - v["samples_per_s"], 0.0))
+            note = f"{v['samples_per_s']:.4g}/s"
+            if v["speedup_vs_fp32"] is not None:
+                note += f"\n{v['speedup_vs_fp32']['median']:.2f}x fp32"
+            if v["peak_memory_bytes"] is not None:
+                note += f"\npeak {v['peak_memory_bytes'] / 2**30:.2f} GiB"
+            notes.append(note)
+    xs = range(len(labels))
+    ax.bar(xs, heights, yerr=errs, color=cols, capsize=4)
+    top = max([h + e for h, e in zip(heights, errs[1])] + [1.0])
+    for x, h, e, note in zip(xs, heights, errs[1], notes):
+        ax.text(x, h + e + top * 0.02, note, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylim(0, top * 1.25)
+    ax.set_ylabel("samples / s (higher is better)")
+    size = ", ".join(f"{k}={v}" for k, v in w["size"].items())
+    ax.set_title(f"{wname}: training throughput\n{size}", fontsize=9)
+
+
+def _plot_overhead(ax: Any, result: dict[str, Any]) -> None:
+    workloads = result["workloads"]
     names = ("unified", "scaler_only", "autocast_only", "contract_cost",
              "unified_same_dtypes", "trace_on", "trace_off")
     width = 0.8 / len(names)
@@ -235,12 +296,40 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"overhead ratios, {', '.join(_SHORT[d] for d in sorted(dtypes))}: median of"
                  " per-round ratios, IQR whiskers", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
-    cfg, m = result["config"], result["machine"]
-    threads = f", {m['threads']} CPU thread(s)" if m["device"] == "cpu" else ""
-    fig.suptitle(f"{cfg['backend']} {m['framework_version']} on {m['device_name']}{threads}"
-                 f" ({cfg['mode']} mode, {result['date'][:10]})", fontsize=10)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+
+def _plot_opt_levels(ax: Any, workloads: dict[str, Any]) -> None:
+    """Step time and weight + optimizer-state bytes of O1-O3 as ratios to O0."""
+    kinds = (("step time", "step_time_vs_O0"), ("weights + opt state", "bytes_vs_O0"))
+    x, ticks, tick_labels = 0.0, [], []
+    for wname, w in workloads.items():
+        o = w.get("opt_levels")
+        if not o or o.get("skipped"):
+            continue
+        for level, v in o["levels"].items():
+            if v.get("skipped"):
+                continue
+            for j, (label, key) in enumerate(kinds):
+                value = v[key]["median"] if isinstance(v[key], dict) else v[key]
+                if value is None:
+                    continue
+                bar_x = x + (j - 0.5) * 0.4
+                ax.bar(bar_x, value, width=0.4, color=f"C{j}",
+                       label=label if not ticks else None)
+                ax.text(bar_x, value, f"{value:.2f}", ha="center", va="bottom", fontsize=6,
+                        rotation=90)
+            ticks.append(x)
+            tick_labels.append(f"{level}\n{wname}" if level == "O0" else level)
+            x += 1.0
+        x += 0.5
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(ticks, tick_labels, fontsize=7)
+    ax.set_ylabel("ratio to O0 (lower is better)")
+    dtypes = {w["opt_levels"]["low_dtype"] for w in workloads.values()
+              if w.get("opt_levels") and not w["opt_levels"].get("skipped")}
+    ax.set_title(f"apex opt levels ({', '.join(_SHORT[d] for d in sorted(dtypes))}):"
+                 " ratios to O0", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
 
 
 def command_line(argv: list[str]) -> str:

@@ -58,6 +58,23 @@ def forensics_step(w: Workload, gm: amp.GradManager, dtype: str, device: str, *,
     return traced_step
 
 
+def apex_step(w: Workload, gm: amp.GradManager) -> Callable[[], Any]:
+    """One apex-style step of ``w`` after ``amp.initialize``: forward, loss,
+    ``scale_loss`` + ``gm.backward``, the optimizer's step (skipped on overflow)."""
+    opt = w.optimizer
+
+    def step() -> Any:
+        with gm:
+            loss = w.loss()
+            with amp.scale_loss(loss, opt) as scaled_loss:
+                gm.backward(scaled_loss)
+        opt.step()
+        gm.zero_grad()
+        return loss
+
+    return step
+
+
 def precision_supported(dtype: str, device: str) -> str | None:
     """None if the backend computes ``dtype`` on ``device``, else the library's reason."""
     try:

@@ -231,6 +231,13 @@ class Kit:
         self.sync()
         return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated()"
 
+    def tensor_bytes(self, tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def optimizer_state(self, opt: Any) -> list[torch.Tensor]:
+        """The optimizer's per-parameter state tensors (momentum buffers, ...)."""
+        return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+
     def release(self, w: Workload) -> None:
         """Frees the workload's memory before the next one is built."""
         w.model = w.params = w.optimizer = w.loss = None

@@ -5,6 +5,7 @@ with one training step written once against unified_amp.
     python -m examples.gan
     python -m examples.grad_accumulation
     python -m examples.fp32_baseline
+    python -m examples.apex_style --compare     # amp.initialize / scale_loss, O0-O3
 
 What the frameworks spell differently (models, losses, optimizers, tensors) lives in
 ``examples.frameworks``; nothing else in this package imports a framework.

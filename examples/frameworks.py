@@ -84,11 +84,14 @@ class TorchKit:
         )
         return model.to(self.device)
 
-    def mlp(self, sizes: Sequence[int]) -> Any:
-        """Linear layers of the given widths with LeakyReLU between them."""
+    def mlp(self, sizes: Sequence[int], batch_norm: bool = False) -> Any:
+        """Linear layers of the given widths with LeakyReLU between them (and
+        BatchNorm1d before each LeakyReLU with ``batch_norm``)."""
         layers: list[Any] = []
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
             if i:
+                if batch_norm:
+                    layers.append(self.nn.BatchNorm1d(fan_in))
                 layers.append(self.nn.LeakyReLU(0.2))
             layers.append(self.nn.Linear(fan_in, fan_out))
         return self.nn.Sequential(*layers).to(self.device)
@@ -102,6 +105,10 @@ class TorchKit:
         # log-sigmoid would lose the small losses that a GAN lives on.
         return self.F.binary_cross_entropy_with_logits(
             logits, self.torch.full_like(logits, target))
+
+    def mse(self, pred: Any, target: Any) -> Any:
+        """Mean squared error."""
+        return self.F.mse_loss(pred, target)
 
     def adam(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> Any:
         return self.torch.optim.Adam(params, lr=lr, betas=betas)
@@ -172,11 +179,14 @@ class MegEngineKit:
             M.Linear(2 * width * (image_size // 4) ** 2, num_classes),
         )
 
-    def mlp(self, sizes: Sequence[int]) -> Any:
-        """Linear layers of the given widths with LeakyReLU between them."""
+    def mlp(self, sizes: Sequence[int], batch_norm: bool = False) -> Any:
+        """Linear layers of the given widths with LeakyReLU between them (and
+        BatchNorm1d before each LeakyReLU with ``batch_norm``)."""
         layers: list[Any] = []
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
             if i:
+                if batch_norm:
+                    layers.append(self.M.BatchNorm1d(fan_in))
                 layers.append(self.M.LeakyReLU(0.2))
             layers.append(self.M.Linear(fan_in, fan_out))
         return self.M.Sequential(*layers)
@@ -190,6 +200,10 @@ class MegEngineKit:
         # log-sigmoid would lose the small losses that a GAN lives on.
         return self.F.nn.binary_cross_entropy(
             logits, self.F.full_like(logits, target), with_logits=True)
+
+    def mse(self, pred: Any, target: Any) -> Any:
+        """Mean squared error."""
+        return self.F.nn.square_loss(pred, target)
 
     def adam(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> Any:
         return self.optim.Adam(params, lr=lr, betas=betas)

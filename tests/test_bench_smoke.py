@@ -34,3 +34,16 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path):
         assert overhead["failed"] == {}
         for ratio in ("unified", "scaler_only", "trace_on", "trace_off"):
             assert 0.2 < overhead["ratios"][ratio]["median"] < 5.0
+        levels = workload["opt_levels"]["levels"]
+        assert list(levels) == ["O0", "O1", "O2", "O3"]
+        for level, v in levels.items():
+            assert v["properties"]["opt_level"] == level
+            assert math.isfinite(v["final_loss"]) and v["step_time_s"]["median"] > 0
+        assert levels["O1"]["bytes_vs_O0"] == 1.0
+        # SGD with momentum: O0 holds weights + momentum in float32 (2 x 4 bytes a
+        # weight); O2 2-byte weights + 4-byte masters + momentum. The transformer has no
+        # batch norm, so every weight is cast.
+        if name == "transformer":
+            assert levels["O2"]["bytes_vs_O0"] == 1.25
+            o3_masters = levels["O3"]["properties"]["master_weights"]
+            assert levels["O3"]["bytes_vs_O0"] == (1.25 if o3_masters else 0.5)

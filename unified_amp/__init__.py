@@ -10,6 +10,10 @@
             scaler.backward(gm, loss)       # scaled backward, unscale, update
     optimizer.step(); gm.zero_grad()
 
+apex.amp's API is here too, on both frameworks: ``amp.initialize(model, optimizer,
+opt_level="O2")`` and ``with amp.scale_loss(loss, optimizer) as scaled: ...``
+(docs/APEX.md).
+
 The backend is chosen by ``amp.set_backend()``, else ``UNIFIED_AMP_BACKEND``, else the
 first installed of torch, megengine. Importing this package imports no framework.
 """
@@ -24,6 +28,16 @@ from .errors import (
 )
 from .forensics import OverflowReport, OverflowWarning, trace_forward
 from .grad import GradManager, clip_grad_norm
+from .opt_levels import (
+    OptProperties,
+    initialize,
+    load_state_dict,
+    loss_scaler,
+    master_params,
+    opt_properties,
+    scale_loss,
+    state_dict,
+)
 from .scaler import GradScaler
 
 __version__ = "0.1.0"
@@ -34,6 +48,14 @@ __all__ = [
     "GradScaler",
     "GradManager",
     "clip_grad_norm",
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "loss_scaler",
+    "opt_properties",
+    "OptProperties",
     "trace_forward",
     "OverflowReport",
     "OverflowWarning",

@@ -1,10 +1,11 @@
 """The small interface every framework adapter implements.
 
-The core (autocast, GradManager, GradScaler) is written once against these primitives;
-an adapter in ``backends/`` maps each one onto its framework's own kernels. Tensors,
-parameters and optimizers pass through the core as opaque objects: the core reads
-``optimizer.param_groups`` and ``gm.attached_tensors()`` (both frameworks spell them the
-same way) and leaves everything numeric to the adapter.
+The core (autocast, GradManager, GradScaler, the opt levels) is written once against
+these primitives; an adapter in ``backends/`` maps each one onto its framework's own
+kernels. Tensors, parameters, modules and optimizers pass through the core as opaque
+objects: the core reads ``optimizer.param_groups``, ``gm.attached_tensors()``,
+``module.parameters()`` and ``module.forward`` (both frameworks spell them the same way)
+and leaves everything numeric to the adapter.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ LOW_PRECISION = ("float16", "bfloat16")
 class Tape(Protocol):
     """Records a forward pass for one GradManager and turns it into gradients."""
 
-    def attach(self, params: Sequence[Any]) -> None:
-        """Adds parameters whose gradients ``backward`` must produce."""
+    def attach(self, params: Sequence[Any], callbacks: Sequence[Any] = ()) -> None:
+        """Adds parameters whose gradients ``backward`` must produce (a parameter given
+        again is kept once) and appends ``callbacks`` to each one's list: MegEngine's
+        ``callback(param, grad) -> grad``, run on each new gradient before it is
+        accumulated into ``param.grad``."""
 
     def record(self) -> None:
         """Starts recording operations (entered by ``with gm:``)."""
@@ -96,7 +100,61 @@ class Backend(Protocol):
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
 
+    # -- opt levels (amp.initialize; the policy is in opt_levels.py) -------------------
+    def is_module(self, obj: Any) -> bool:
+        """Whether ``obj`` is one of the framework's modules (it has ``parameters()``
+        and ``forward``)."""
+
+    def device_type(self, tensor: Any) -> str:
+        """'cpu' or 'cuda': where ``tensor`` lives."""
+
+    def default_low_dtype(self, device: str) -> str:
+        """The dtype ``autocast(dtype=None)`` computes on ``device``."""
+
+    def cast(self, tensor: Any, dtype: str) -> Any:
+        """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
+        ``tensor`` itself if it has that dtype already."""
+
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+        """Casts the floating parameters and buffers of ``module`` and its submodules to
+        ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
+        norm layers are left in float32 if ``keep_batchnorm_fp32``."""
+
+    def low_precision_batch_norm(self, dtype: str) -> bool:
+        """Whether batch norm can hold ``dtype`` weights on this build."""
+
+    def steps_low_precision(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` can update low-precision parameters itself."""
+
+    def master_copy(self, param: Any) -> Any:
+        """A new float32 leaf parameter holding ``param``'s values, on its device."""
+
+    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
+        """Puts ``new`` in place of ``old`` for each ``(old, new)`` in the optimizer's
+        param_groups and per-parameter state."""
+
+    def take_grads(self, params: Sequence[Any]) -> list[Any]:
+        """Each parameter's gradient (or None), in order; leaves them all None."""
+
+    def restore_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        """Adds ``grads`` (from ``take_grads``; None entries skipped) into the params'
+        gradients, in place and fused where the framework can; sets those that are None."""
+
+    def grads_to_masters(self, params: Sequence[Any], masters: Sequence[Any]) -> None:
+        """Sets each master's gradient to its param's gradient cast to float32 (fused
+        where the framework can) and drops the param's; pairs without a gradient are
+        left alone."""
+
+    def copy_params(self, dst: Sequence[Any], src: Sequence[Any]) -> None:
+        """Copies ``src`` into ``dst`` in place, cast to each dst's dtype; fused where
+        the framework can."""
+
+    def skipped_step_result(self, optimizer: Any) -> Any:
+        """What ``optimizer.step()`` returns when amp skips it: what a real step returns
+        where that does not depend on the step (MegEngine: the optimizer, for chaining)."""
+
     # -- overflow forensics (forensics.py): never on a clean step ----------------------
+    # (and ``is_module`` above)
     def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
         """(inf elements, NaN elements) of each tensor, read back in one host sync.
         Called only after a fused check found an inf/NaN."""
@@ -108,9 +166,6 @@ class Backend(Protocol):
     def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
         """Reads flags from ``finite_flag`` in one host sync: for each, a list of bools
         (one element for a whole-tensor flag)."""
-
-    def is_module(self, obj: Any) -> bool:
-        """Whether ``obj`` is one of the framework's modules (``nn.Module``, ...)."""
 
     def named_modules(self, model: Any) -> list[tuple[str, Any]]:
         """(dotted name, module) for ``model`` ("") and every submodule, each once."""
@@ -137,3 +192,17 @@ class Backend(Protocol):
     #   keeps the scale on the device (see backends/torch_backend.py, _DeviceScale).
     #   GradScaler switches to it the first time such an optimizer steps, so that its
     #   steps need no host sync. MegEngine has no such optimizers.
+
+    # -- optional: distributed primitives (see unified_amp/distributed.py) --------------
+    # An adapter whose framework can run several processes also provides:
+    #   world_group() -> the default group if this process is one of several, else None
+    #   check_group(group) -> None; raises TypeError/RuntimeError for a group it cannot use
+    #   grad_kind(param) -> "local" | "dtensor" (the framework agrees the fused check over
+    #       its own mesh) | "sharded" (a per-rank shard, with no agreement of its own)
+    #   zero_grad_like(param) -> a zero gradient for param (a stand-in in the check)
+    #   clean_flag(params, group) -> a flag that says "no inf", where group communicates
+    #   all_reduce_max_async(flag, group) -> (flag, handle with wait() or None): starts a
+    #       MAX all-reduce of the flag on the device; no host sync
+    #   grad_sync_paused(module) -> bool: the module is inside a no_sync() window
+    #   module_clip_grad_norm(module, max_norm, norm_type) -> float, or None where the
+    #       module has no clip of its own (FSDP1's covers every rank's shard)

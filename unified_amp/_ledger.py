@@ -30,23 +30,34 @@ class Check:
     """One fused check (usually with unscale) over a set of gradients.
 
     ``flag`` is the adapter's device-side flag (None when there were no gradients);
-    ``found`` is the host verdict once read (None while unread). ``on_overflow`` runs
-    once if that read finds an inf/NaN (the overflow report, forensics.py); it is
-    dropped unrun once the verdict is known, so a clean check costs nothing more.
+    ``found`` is the host verdict once read (None while unread). ``pending`` is the
+    handle of a cross-rank all-reduce still running on ``flag`` (see distributed.py),
+    waited for before the flag is first used. ``on_overflow`` runs once if the read
+    finds an inf/NaN (the overflow report, forensics.py); it is dropped unrun once the
+    verdict is known, so a clean check costs nothing more.
     """
 
-    __slots__ = ("flag", "found", "on_overflow", "__weakref__")
+    __slots__ = ("flag", "found", "pending", "on_overflow", "__weakref__")
 
-    def __init__(self, flag: Any, found: bool | None,
+    def __init__(self, flag: Any, found: bool | None, pending: Any = None,
                  on_overflow: Callable[[], None] | None = None) -> None:
         self.flag = flag
         self.found = found
+        self.pending = pending
         self.on_overflow = on_overflow
+
+    def ready(self) -> Any:
+        """The flag, once any all-reduce on it has completed (on a GPU this orders the
+        streams and does not wait on the host)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+        return self.flag
 
     def verdict(self, read: Callable[[Any], bool]) -> bool:
         """The host verdict, reading the flag (a host sync) the first time only."""
         if self.found is None:
-            self.found = bool(read(self.flag))
+            self.found = bool(read(self.ready()))
             hook, self.on_overflow = self.on_overflow, None
             if self.found and hook is not None:
                 hook()  # before anyone drops the gradients it describes

@@ -1,12 +1,16 @@
-"""Turning "a GradManager, an optimizer, or an iterable of parameters" into parameters.
+"""Turning "a GradManager, an optimizer, a module, or an iterable of parameters" into
+parameters.
 
 Both frameworks spell these the same way (``gm.attached_tensors()``,
-``optimizer.param_groups[i]["params"]``), so this is written once here.
+``optimizer.param_groups[i]["params"]``, ``module.parameters()``), so this is written
+once here.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from . import distributed
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -20,7 +24,7 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         what: the calling function's name, for the error message.
 
     Raises:
-        TypeError: ``target`` is none of the three accepted kinds.
+        TypeError: ``target`` is none of the accepted kinds.
     """
     if hasattr(target, "attached_tensors"):  # amp.GradManager or MegEngine's own
         # MegEngine's holds tensors weakly: a freed one comes back as None.
@@ -29,6 +33,11 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         params = [p for group in target.param_groups for p in group["params"]]
     elif backend.is_tensor(target):
         params = [target]
+    elif backend.is_module(target):
+        # Remembered (weakly) so that unscaling its parameters inside DDP's no_sync()
+        # window can be caught later, whatever target the unscale names.
+        distributed.note_module(target)
+        params = list(target.parameters())
     else:
         try:
             params = list(target)
@@ -36,7 +45,7 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
             params = None
         if params is None or not all(backend.is_tensor(p) for p in params):
             raise TypeError(
-                f"{what} expects a GradManager, an optimizer, or an iterable of"
+                f"{what} expects a GradManager, an optimizer, a module, or an iterable of"
                 f" {backend.name} parameters; got {type(target).__name__}"
                 f" {_short(target)}."
             )

@@ -122,6 +122,8 @@ class OverflowReport:
     def cause(self) -> str:
         """Where the inf/NaN most likely came from, as a short code.
 
+        ``"elsewhere"``: no gradient checked here held one; the skip was agreed with
+        another process (a distributed job, where every rank skips together).
         ``"input"``: the traced model's input held it. ``"forward-float16"``: a
         module's output first went non-finite in float16 (an activation past 65504).
         ``"forward-bfloat16"``: it did in bfloat16, which has float32's range (no
@@ -133,6 +135,8 @@ class OverflowReport:
         and nothing was traced. ``"unknown"``: nothing to tell from.
         """
         finite_loss = None if self.loss is None else math.isfinite(self.loss)
+        if not self.gradients:
+            return "elsewhere"
         if self.traced:
             if self.bad_samples:
                 return "input"
@@ -147,6 +151,9 @@ class OverflowReport:
     def explain(self) -> str:
         """The cause in words, with the fix where there is one."""
         cause, first = self.cause, self.first_nonfinite
+        if cause == "elsewhere":
+            return ("no gradient here held inf/NaN: another process found one, and every"
+                    " rank skips together")
         if cause == "input":
             samples = ", ".join(map(str, self.bad_samples))
             return (f"the model's input holds inf/NaN in sample(s) {samples}: bad data,"
@@ -183,7 +190,7 @@ class OverflowReport:
             listed += f" and {more} more"
         return (f"unified_amp: step {self.step} skipped (scale {self.scale:g}, loss {loss}):"
                 f" inf/NaN gradients in {len(self.gradients)} of {self.checked}"
-                f" parameters: {listed}; {self.explain()}")
+                f" parameters{': ' + listed if listed else ''}; {self.explain()}")
 
     __str__ = line
 

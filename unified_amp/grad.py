@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from . import distributed
 from ._registry import get_backend
 from ._targets import params_of
 
@@ -32,23 +33,52 @@ class GradManager:
         gm.zero_grad()                # gradients accumulate until this
 
     Only attached parameters receive gradients.
+
+    Callbacks are MegEngine's: ``callback(param, grad) -> grad`` gets the gradient this
+    backward pass computed for ``param`` (before it is added to ``param.grad``) and
+    returns the gradient to pass on; the last one's result is accumulated. On MegEngine
+    they go straight to its own GradManager, so ``dist.make_allreduce_cb("mean")``
+    works; on torch they run right after the backward pass, with the same semantics.
+
+    Args:
+        params: as ``attach()``.
+        callbacks: as ``attach()``.
     """
 
-    def __init__(self, params: Any = None) -> None:
+    def __init__(self, params: Any = None, callbacks: Any = None) -> None:
         self._backend = get_backend()
         self._tape = self._backend.new_tape()
         self._params: list[Any] = []
         self._recording = False
         if params is not None:
-            self.attach(params)
+            self.attach(params, callbacks=callbacks)
+        elif callbacks is not None:
+            raise ValueError(
+                "GradManager(callbacks=...) needs params to attach them to; pass"
+                " GradManager(params, callbacks=...) or call attach(params, callbacks=...)."
+            )
 
-    def attach(self, params: Any) -> "GradManager":
-        """Adds a parameter or an iterable of parameters; returns self."""
-        new = params_of(params, self._backend, "GradManager.attach()")
+    def attach(self, params: Any, callbacks: Any = None) -> "GradManager":
+        """Adds a parameter, an iterable of parameters, or a module's parameters.
+
+        Args:
+            params: a tensor, an iterable of tensors, a module, or an optimizer.
+            callbacks: a callable or a list of callables ``(param, grad) -> grad`` to
+                run on each new gradient of these parameters during backward; attaching
+                a parameter again adds its callbacks after the ones it has (MegEngine's
+                rule).
+
+        Returns:
+            self.
+
+        Raises:
+            TypeError: a callback is not callable.
+        """
+        callbacks = _callbacks(callbacks)
+        given = params_of(params, self._backend, "GradManager.attach()")
         known = {id(p) for p in self._params}
-        new = [p for p in new if id(p) not in known]
-        self._params.extend(new)
-        self._tape.attach(new)
+        self._params.extend(p for p in given if id(p) not in known)
+        self._tape.attach(given, callbacks)
         return self
 
     def attached_tensors(self) -> list[Any]:
@@ -110,11 +140,27 @@ class GradManager:
         self._backend.drop_grads(self._params)
 
 
+def _callbacks(callbacks: Any) -> list[Any]:
+    if callbacks is None:
+        return []
+    listed = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    for cb in listed:
+        if not callable(cb):
+            raise TypeError(
+                f"GradManager callbacks must be callables (param, grad) -> grad, or a list"
+                f" of them; got {type(cb).__name__} {cb!r}."
+            )
+    return listed
+
+
 def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> float:
     """Scales gradients in place so that their total norm is at most ``max_norm``.
 
     Args:
-        target: a GradManager, an optimizer, or an iterable of parameters.
+        target: a GradManager, an optimizer, a module, or an iterable of parameters.
+            For an FSDP1 model pass the FSDP module itself, whose own clip computes the
+            norm over all ranks' shards; FSDP2's DTensor gradients give the global norm
+            whatever the target.
         max_norm: the largest allowed total norm, a positive finite number.
         norm_type: the p of the p-norm (2.0, or ``float("inf")``).
 
@@ -141,5 +187,17 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
         )
     backend = get_backend()
     params = params_of(target, backend, "clip_grad_norm()")
+    if backend.is_module(target):
+        own = getattr(backend, "module_clip_grad_norm", None)
+        norm = None if own is None else own(target, float(max_norm), float(norm_type))
+        if norm is not None:
+            return norm
+    if distributed.sharded_params(backend, params):
+        raise ValueError(
+            "clip_grad_norm() got FSDP1 parameters (each rank holds a shard of their"
+            " gradients), whose local norm is not the total norm: pass the root FSDP"
+            " module instead, amp.clip_grad_norm(fsdp_model, max_norm), which clips by"
+            " the norm over all ranks."
+        )
     return backend.clip_grad_norm(params, float(max_norm), float(norm_type))
 

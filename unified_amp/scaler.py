@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
+from . import distributed
 from ._ledger import Check, GradLedger
 from .forensics import Forensics, OverflowReport
 from ._registry import get_backend
@@ -131,21 +132,23 @@ def _check_factors(init_scale: Any, growth_factor: Any, backoff_factor: Any,
 # The call forms users bring with them (see GradScaler's docstring), as signatures to bind.
 def _unified_form(init_scale: float = 2.0**16, growth_factor: float = 2.0,
                   backoff_factor: float = 0.5, growth_interval: int = 2000,
-                  enabled: bool = True, *, device: str | None = None) -> None:
+                  enabled: bool = True, *, device: str | None = None,
+                  process_group: Any = None) -> None:
     pass
 
 
+# ShardedGradScaler's form too: it adds process_group after enabled.
 def _torch_form(device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                 backoff_factor: float = 0.5, growth_interval: int = 2000,
-                enabled: bool = True) -> None:
+                enabled: bool = True, process_group: Any = None) -> None:
     pass
 
 
 _UNIFIED_SIG = inspect.signature(_unified_form)
 _TORCH_SIG = inspect.signature(_torch_form)
 _CALL_FORMS = ("GradScaler(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,"
-               " growth_interval=2000, enabled=True, *, device=None) or torch.amp's"
-               " GradScaler(device, init_scale, ...)")
+               " growth_interval=2000, enabled=True, *, device=None, process_group=None)"
+               " or torch.amp's GradScaler(device, init_scale, ...)")
 
 
 def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -212,6 +215,13 @@ class GradScaler:
         enabled: False makes every method a pass-through (one code path for fp32).
         device: accepted for torch.amp compatibility; "cuda" on a machine without
             CUDA disables the scaler with a warning, as torch.amp does.
+        process_group: agree every skip decision over this group with one MAX
+            all-reduce of the overflow flag per check (what ``ShardedGradScaler`` does),
+            for gradients that differ per rank. None (the default) agrees only where
+            needed: FSDP1's sharded parameters over the world group, FSDP2's DTensors
+            through torch's own agreement, and nothing for DDP, whose gradients are
+            already identical. Not kept by pickling (give it again after loading).
+            See docs/DISTRIBUTED.md.
     """
 
     # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
@@ -229,12 +239,13 @@ class GradScaler:
     @overload
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
-                 enabled: bool = True, *, device: str | None = None) -> None: ...
+                 enabled: bool = True, *, device: str | None = None,
+                 process_group: Any = None) -> None: ...
 
     @overload
     def __init__(self, device: str, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
-                 enabled: bool = True) -> None: ...
+                 enabled: bool = True, process_group: Any = None) -> None: ...
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         a = _bind(args, kwargs)
@@ -256,6 +267,9 @@ class GradScaler:
                 )
                 self._enabled = False
         self._device = device
+        self._process_group = a["process_group"]
+        if self._process_group is not None and self._enabled:
+            distributed.check_group(self._be(), self._process_group)
         self._scale_value = _f32(float(a["init_scale"]))
         self._growth_factor = float(a["growth_factor"])
         self._backoff_factor = float(a["backoff_factor"])
@@ -320,10 +334,10 @@ class GradScaler:
     def _read(self, flag: Any) -> bool:
         return bool(self._be().flag_is_set(flag))
 
-    def _split(self, params: list[Any]) -> tuple[list[Any], list[Check]]:
-        """``params`` with a gradient that still needs unscaling, and the checks that
-        already covered the rest (from the ledger)."""
-        pending, done = [], {}
+    def _split(self, params: list[Any]) -> tuple[list[Any], list[Check], list[Any]]:
+        """``params`` with a gradient that still needs unscaling, the checks that
+        already covered others (from the ledger), and the params with neither."""
+        pending, done, idle = [], {}, []
         version = self._version
         for p in params:
             check = self._ledger.lookup(p, version)
@@ -331,7 +345,9 @@ class GradScaler:
                 done[id(check)] = check
             elif p.grad is not None:
                 pending.append(p)
-        return pending, list(done.values())
+            else:
+                idle.append(p)
+        return pending, list(done.values()), idle
 
     def _require_scaled(self, what: str) -> None:
         """Raises if unscaling now would shrink gradients that were never scaled."""
@@ -353,13 +369,22 @@ class GradScaler:
                 f" the loss itself."
             )
 
-    def _check(self, params: list[Any], *, unscale: bool = True, read: bool = True,
-               allow_fp16: bool = False) -> Check:
+    def _check(self, params: list[Any], *, idle: list[Any] = (), agreement: Any = False,
+               unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
         """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
         them too unless a fused optimizer will. ``read`` reads the verdict at once (the
-        sync); otherwise it is read when first needed."""
+        sync); otherwise it is read when first needed.
+
+        In a multi-process job the verdict is agreed across ranks (distributed.py);
+        ``idle`` (the target's params without a gradient here) then take part too, and
+        ``agreement`` may pass the plan when the caller made it already.
+        """
         backend = self._be()
+        if agreement is False:
+            agreement = distributed.plan(backend, params, list(idle), self._process_group)
         grads = backend.grads(params)
+        if agreement is not None:
+            grads += agreement.standins
         if not allow_fp16:
             for dtype in {g.dtype for g in grads}:
                 if backend.dtype_name(dtype) == "float16":
@@ -368,16 +393,22 @@ class GradScaler:
                         " parameters (and so float32 gradients): keep the model in float32"
                         " and let autocast run the low-precision ops."
                     )
-        if not grads:
-            check = Check(None, False)
-        else:
+        flag = None
+        if grads:
             if self._dev is not None:
                 flag = self._dev.unscale_and_check(grads) if unscale else self._dev.check(grads)
             else:
                 flag = backend.unscale_and_check(grads, self._inv_scale() if unscale else 1.0)
-            check = Check(flag, None, self._forensics.hook(params))
-            if read:
-                check.verdict(self._read)  # the one sync
+        if agreement is not None:
+            check = agreement.check(flag, params or list(idle))
+            # Every rank now covers the same parameters, gradient or not.
+            self._ledger.record(list(idle), check, self._version)
+        else:
+            check = Check(None, False) if flag is None else Check(flag, None)
+        if check.found is None:
+            check.on_overflow = self._forensics.hook(params)
+        if read:
+            check.verdict(self._read)  # the one sync
         self._checks.append(check)
         return check
 
@@ -398,7 +429,7 @@ class GradScaler:
                     " scaler.step(optimizer) (step() unscales by itself when you don't)."
                 )
         params = params_of(target, self._be(), f"GradScaler.{what}")
-        pending, done = self._split(params)
+        pending, done, idle = self._split(params)
         if done:
             raise RuntimeError(
                 f"{what} has already been called on these gradients: no scaled backward"
@@ -409,11 +440,12 @@ class GradScaler:
             )
         if pending:
             self._require_scaled(what)
+            distributed.require_synced(self._be(), pending, f"GradScaler.{what}")
         if state is not None:
             self._steps_on_device(target)  # a fused optimizer moves the scale to the device
         # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
         # in step(), as torch.amp does.
-        check = self._check(pending, read=drop)
+        check = self._check(pending, idle=idle, read=drop)
         if drop and check.found:
             self._be().drop_grads(pending)
         self._ledger.record(pending, check, self._version)
@@ -585,7 +617,7 @@ class GradScaler:
             return result
         on_device = self._steps_on_device(optimizer)
         params = params_of(optimizer, self._be(), "GradScaler.step()")
-        pending, done = self._split(params)
+        pending, done, idle = self._split(params)
         if state.stage is _Stage.READY and not pending and done and not any(
                 c is k for c in done for k in self._checks):
             # Every gradient was decided by checks that an update() already consumed:
@@ -594,12 +626,18 @@ class GradScaler:
         checks = list(state.checks)
         checks += [c for c in done if all(c is not k for k in checks)]
         fused_unscale = False
-        if state.stage is _Stage.READY and pending:
+        agreement = None
+        if state.stage is _Stage.READY and not pending and idle:
+            # No gradient here, but another rank may have some: take part in its check.
+            agreement = distributed.plan(self._be(), [], idle, self._process_group)
+        if state.stage is _Stage.READY and (pending or agreement is not None):
             self._require_scaled("step()")
+            distributed.require_synced(self._be(), pending, "GradScaler.step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
             fused_unscale = on_device and not done
-            check = self._check(pending, unscale=not fused_unscale, read=False,
+            check = self._check(pending, idle=idle, agreement=agreement or False,
+                                unscale=not fused_unscale, read=False,
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
                 self._ledger.record(pending, check, self._version)
@@ -622,7 +660,7 @@ class GradScaler:
             return None
         if on_device:
             return self._dev.step(optimizer, fused_unscale,
-                                  [c.flag for c in checks if c.flag is not None],
+                                  [c.ready() for c in checks if c.flag is not None],
                                   args, kwargs)
         if any(c.verdict(self._read) for c in checks):  # the one sync per step
             return None
@@ -664,7 +702,7 @@ class GradScaler:
             if checked:
                 self._steps += 1
             found_host = any(c.found is True for c in self._checks)
-            flags = [c.flag for c in self._checks if c.found is None]
+            flags = [c.ready() for c in self._checks if c.found is None]
             for c in self._checks:
                 c.on_overflow = None  # never read on the host, so never reported
             self._dev.update(found_host, flags, self._growth_factor,
@@ -918,6 +956,7 @@ class GradScaler:
         state["_dev"] = None  # device tensors are remade at the next fused step
         state["_ledger"] = GradLedger()  # it refers to live tensors, weakly
         state["_forensics"] = None  # it refers to models; watch() again after loading
+        state["_process_group"] = None  # a live communicator; give it again after loading
         state["_tail"] = {}
         return state
 

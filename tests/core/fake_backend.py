@@ -5,9 +5,35 @@ counts the device-to-host syncs the core asks for: ``syncs`` for the scaler's fl
 
 from __future__ import annotations
 
+import collections
 import math
+import struct
+import threading
 
 from unified_amp.errors import UnsupportedPrecisionError
+
+
+def round_to(values, dtype):
+    """``values`` rounded to ``dtype`` (float16 overflows to inf, as a real cast does)."""
+    if dtype == "float16":
+        out = []
+        for v in values:
+            try:
+                out.append(struct.unpack("e", struct.pack("e", v))[0])
+            except OverflowError:
+                out.append(math.copysign(math.inf, v))
+        return out
+    if dtype == "bfloat16":  # the top 16 bits of the float32 pattern, round to nearest even
+        out = []
+        for v in values:
+            if not math.isfinite(v):
+                out.append(v)
+                continue
+            bits = struct.unpack("I", struct.pack("f", v))[0]
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            out.append(struct.unpack("f", struct.pack("I", bits))[0])
+        return out
+    return [float(v) for v in values]
 
 
 class FakeTensor:
@@ -39,12 +65,13 @@ class _Handle:
         self.hooks.pop(self.key, None)
 
 
-class FakeModule:
-    """A module with children, parameters and torch's/MegEngine's forward-hook calls.
+class NamedModule:
+    """A module with named children and parameters, calling forward hooks as torch's and
+    MegEngine's modules do (for the forensics tests).
 
-    ``FakeModule(scale=w)`` multiplies its input by a parameter ``weight`` = [w]; its
+    ``NamedModule(scale=w)`` multiplies its input by a parameter ``weight`` = [w]; its
     output is in the fake autocast dtype, and a float16 value past 65504 becomes inf.
-    ``FakeModule(**children)`` runs its children in order.
+    ``NamedModule(**children)`` runs its children in order.
     """
 
     _next_key = 0
@@ -69,9 +96,9 @@ class FakeModule:
         return [p for _, p in self.named_parameters()]
 
     def _hook(self, hooks, hook):
-        FakeModule._next_key += 1
-        hooks[FakeModule._next_key] = hook
-        return _Handle(hooks, FakeModule._next_key)
+        NamedModule._next_key += 1
+        hooks[NamedModule._next_key] = hook
+        return _Handle(hooks, NamedModule._next_key)
 
     def forward(self, x):
         if self.weight is None:
@@ -95,28 +122,79 @@ class FakeModule:
 
 
 class FakeOptimizer:
-    """Plain SGD that records each step."""
+    """Plain SGD that records each step, with a per-parameter step count as its state."""
 
     def __init__(self, params, lr=0.1):
         self.param_groups = [{"params": list(params), "lr": lr}]
+        self.state = {}
         self.steps = 0
 
     def step(self, *args, **kwargs):
         self.steps += 1
         for p in self.param_groups[0]["params"]:
             if p.grad is not None:
-                p.values = [v - self.param_groups[0]["lr"] * g
-                            for v, g in zip(p.values, p.grad.values)]
+                p.values = round_to([v - self.param_groups[0]["lr"] * g
+                                     for v, g in zip(p.values, p.grad.values)], p.dtype)
+                self.state[p] = self.state.get(p, 0) + 1
         return "stepped"
+
+    def state_dict(self):
+        params = self.param_groups[0]["params"]
+        return {"state": {i: self.state[p] for i, p in enumerate(params) if p in self.state},
+                "lr": self.param_groups[0]["lr"]}
+
+    def load_state_dict(self, state_dict):
+        params = self.param_groups[0]["params"]
+        self.state = {params[i]: n for i, n in state_dict["state"].items()}
+        self.param_groups[0]["lr"] = state_dict["lr"]
+
+
+class FakeModule:
+    """A 'model': out = sum over its parameters p of p . x (each p as long as x), in the
+    autocast dtype when autocast is on, else in the input's dtype. Records what its
+    forward saw."""
+
+    def __init__(self, params, children=(), batch_norm=False, backend=None):
+        self._params = list(params)
+        self._children = list(children)
+        self.batch_norm = batch_norm
+        self.backend = backend
+        self.seen = []  # (input dtype, autocast dtype or None) per call
+
+    def parameters(self):
+        yield from self._params
+        for child in self._children:
+            yield from child.parameters()
+
+    def modules(self):
+        yield self
+        for child in self._children:
+            yield from child.modules()
+
+    def forward(self, x):
+        enabled, dtype = self.backend.autocast_state[-1]
+        self.seen.append((x.dtype, dtype if enabled else None))
+        params = list(self.parameters())
+        total = sum(w * v for p in params for w, v in zip(p.values, x.values))
+        out_dtype = (dtype or "float16") if enabled else x.dtype
+        return FakeTensor(round_to([total], out_dtype), out_dtype,
+                          deps=[(p, list(x.values)) for p in params])
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
 
 
 class _Tape:
     def __init__(self):
         self.params = []
+        self.callbacks = {}
         self.recording = False
 
-    def attach(self, params):
-        self.params.extend(params)
+    def attach(self, params, callbacks=()):
+        known = {id(p) for p in self.params}
+        self.params.extend(p for p in params if id(p) not in known)
+        for p in params:
+            self.callbacks.setdefault(id(p), []).extend(callbacks)
 
     def record(self):
         self.recording = True
@@ -126,16 +204,27 @@ class _Tape:
 
     def backward(self, ys, dys):
         attached = {id(p) for p in self.params}
+        new = {}  # id(param) -> (param, this backward's gradient values)
         for i, y in enumerate(ys):
             dy = 1.0 if dys is None else dys[i].values[0]
             for p, coeffs in y.deps:
                 if id(p) not in attached:
                     continue
                 g = [dy * c for c in coeffs]
-                if p.grad is None:
-                    p.grad = FakeTensor(g, p.dtype)
-                else:
-                    p.grad.values = [a + b for a, b in zip(p.grad.values, g)]
+                if id(p) in new:
+                    g = [a + b for a, b in zip(new[id(p)][1], g)]
+                new[id(p)] = (p, g)
+        for p, g in new.values():
+            grad = FakeTensor(round_to(g, p.dtype), p.dtype)
+            if hasattr(p, "kind"):  # a DTensor's gradient is a DTensor
+                grad.kind = p.kind
+            for callback in self.callbacks.get(id(p), ()):
+                grad = callback(p, grad)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.values = round_to([a + b for a, b in zip(p.grad.values, grad.values)],
+                                         p.dtype)
 
 
 class FakeBackend:
@@ -147,6 +236,8 @@ class FakeBackend:
         self.flags_made = 0
         self.autocast_state = [(False, None)]  # (enabled, dtype), innermost last
         self.refuse = {"bfloat16"}
+        self.low_bn = True  # batch norm may hold low-precision weights
+        self.low_steps = True  # optimizers may step low-precision parameters
 
     def cuda_available(self):
         return False
@@ -226,9 +317,6 @@ class FakeBackend:
         self.forensic_reads += 1
         return [list(f) for f in flags]
 
-    def is_module(self, obj):
-        return isinstance(obj, FakeModule)
-
     def named_modules(self, model):
         return list(model.named_modules())
 
@@ -237,3 +325,166 @@ class FakeBackend:
 
     def add_forward_hook(self, module, hook, pre=False):
         return module._hook(module._forward_pre_hooks if pre else module._forward_hooks, hook)
+
+    # -- opt levels ---------------------------------------------------------------------
+    def is_module(self, obj):
+        return isinstance(obj, (FakeModule, NamedModule))
+
+    def device_type(self, tensor):
+        return "cpu"
+
+    def default_low_dtype(self, device):
+        return "float16"
+
+    def cast(self, tensor, dtype):
+        if tensor.dtype == dtype:
+            return tensor
+        return FakeTensor(round_to(tensor.values, dtype), dtype, deps=tensor.deps)
+
+    def cast_module(self, module, dtype, keep_batchnorm_fp32):
+        for sub in module.modules():
+            if keep_batchnorm_fp32 and sub.batch_norm:
+                continue
+            for p in sub._params:
+                p.dtype, p.values = dtype, round_to(p.values, dtype)
+
+    def low_precision_batch_norm(self, dtype):
+        return self.low_bn
+
+    def steps_low_precision(self, optimizer):
+        return self.low_steps
+
+    def master_copy(self, param):
+        return FakeTensor(list(param.values), "float32")
+
+    def replace_params(self, optimizer, pairs):
+        new = {id(old): master for old, master in pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+        for old, master in pairs:
+            if old in optimizer.state:
+                optimizer.state[master] = optimizer.state.pop(old)
+
+    def take_grads(self, params):
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    def restore_grads(self, params, grads):
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.values = [a + b for a, b in zip(p.grad.values, g.values)]
+
+    def grads_to_masters(self, params, masters):
+        for p, m in zip(params, masters):
+            if p.grad is not None:
+                m.grad = FakeTensor(list(p.grad.values), "float32")
+                p.grad = None
+
+    def copy_params(self, dst, src):
+        for d, s in zip(dst, src):
+            d.values = round_to(s.values, d.dtype)
+
+    def skipped_step_result(self, optimizer):
+        return None
+
+
+class FakeGroup:
+    """A process group for ranks simulated by threads: an all-reduce is a barrier
+    exchange. Each rank's collectives are logged, to compare their sequences."""
+
+    def __init__(self, world=2):
+        self.world = world
+        # The timeout only turns a hang (a rank that skipped a collective) into a
+        # failure; no result depends on it.
+        self._barrier = threading.Barrier(world, timeout=30)
+        self._slots = [None] * world
+        self.log = {r: [] for r in range(world)}
+
+    def exchange(self, rank, value, what):
+        self.log[rank].append(what)
+        self._slots[rank] = value
+        self._barrier.wait()
+        out = max(self._slots)
+        self._barrier.wait()  # nobody overwrites a slot before all have read
+        return out
+
+
+class _FakeWork:
+    def __init__(self, group, rank, local, out):
+        self.group, self.rank, self.local, self.out = group, rank, local, out
+        self.waited = False
+
+    def wait(self):
+        self.out["found"] = bool(self.group.exchange(self.rank, self.local, "all_reduce"))
+        self.waited = True
+
+
+class DistributedFakeBackend(FakeBackend):
+    """The fake backend with the distributed primitives, for ranks run as threads.
+
+    A tensor's ``kind`` attribute says what grad_kind() reports ("local", "sharded",
+    "dtensor"); the fused check over "dtensor" gradients agrees by itself, as torch's
+    DTensor dispatch does, so a rank that skips the kernel leaves the others waiting.
+    """
+
+    def __init__(self, group=None, world=True):
+        super().__init__()
+        self.group = group
+        self.world = world  # whether world_group() reports the group (an initialised job)
+        self._local = threading.local()
+        self.syncs_by_rank = collections.Counter()
+        self.paused_modules = set()
+
+    @property
+    def rank(self):
+        return self._local.rank
+
+    @rank.setter
+    def rank(self, value):
+        self._local.rank = value
+
+    def unscale_and_check(self, grads, inv_scale):
+        flag = super().unscale_and_check(grads, inv_scale)
+        if any(getattr(g, "kind", "local") == "dtensor" for g in grads):
+            flag = {"found": bool(self.group.exchange(self.rank, flag["found"], "dtensor"))}
+        return flag
+
+    def flag_is_set(self, flag):
+        assert flag["found"] is not None, "read a flag before its all-reduce completed"
+        self.syncs_by_rank[self.rank] += 1
+        return super().flag_is_set(flag)
+
+    def world_group(self):
+        return self.group if self.world else None
+
+    def check_group(self, group):
+        if not isinstance(group, FakeGroup):
+            raise TypeError(f"GradScaler process_group must be a FakeGroup; got {group!r}")
+
+    def grad_kind(self, param):
+        return getattr(param, "kind", "local")
+
+    def zero_grad_like(self, param):
+        t = FakeTensor([0.0] * len(param.values), param.dtype)
+        t.kind = self.grad_kind(param)
+        return t
+
+    def clean_flag(self, params, group):
+        return {"found": False}
+
+    def all_reduce_max_async(self, flag, group):
+        out = {"found": None}
+        return out, _FakeWork(group, self.rank, flag["found"], out)
+
+    def grad_sync_paused(self, module):
+        return getattr(module, "require_backward_grad_sync", True) is False
+
+    def module_clip_grad_norm(self, module, max_norm, norm_type):
+        own = getattr(module, "clip_grad_norm_", None)
+        return None if own is None else own(max_norm, norm_type)

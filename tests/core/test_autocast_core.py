@@ -100,7 +100,7 @@ def test_signatures_are_explicit():
         "enabled", "dtype", "device", "contract"]
     assert list(inspect.signature(amp.GradScaler).parameters) == [
         "init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
-        "device"]
+        "device", "process_group"]
 
 
 def test_call_form_errors_name_the_class_and_the_forms():

@@ -11,14 +11,14 @@ import pytest
 import unified_amp as amp
 from unified_amp import forensics
 
-from .fake_backend import FakeModule, FakeOptimizer, FakeTensor
+from .fake_backend import NamedModule, FakeOptimizer, FakeTensor
 
 INF, NAN = math.inf, math.nan
 
 
 def model_of(backend, **scales):
-    """A FakeModule running one scaling child per keyword, in order."""
-    return FakeModule(**{name: FakeModule(scale=s, backend=backend)
+    """A NamedModule running one scaling child per keyword, in order."""
+    return NamedModule(**{name: NamedModule(scale=s, backend=backend)
                          for name, s in scales.items()})
 
 
@@ -309,7 +309,7 @@ def test_the_line_says_what_to_do_about_a_float16_overflow(fake):
     assert scaler.last_overflow().line() == (
         "unified_amp: step 1 skipped (scale 4, loss inf): inf/NaN gradients in 2 of 2"
         " parameters: big.weight (1 inf of 1), small.weight (1 inf of 1); first"
-        " non-finite forward output: big (FakeModule, float16), a float16 overflow"
+        " non-finite forward output: big (NamedModule, float16), a float16 overflow"
         " (|x| > 65504): run that op in float32 (autocast(enabled=False)) or use bfloat16")
 
 
@@ -333,10 +333,10 @@ def test_a_trace_stands_alone_without_a_scaler(fake):
             model(FakeTensor([1.0]))
         first, samples = trace.first_nonfinite()
         assert (first.module, first.type, first.dtype, samples) == (
-            "big", "FakeModule", "float16", ())
+            "big", "NamedModule", "float16", ())
         trace.clear()
         assert trace.first_nonfinite() == (None, ())
-    assert repr(trace) == "ForwardTrace(FakeModule, stopped)"
+    assert repr(trace) == "ForwardTrace(NamedModule, stopped)"
 
 
 def test_the_api_reference_quotes_a_line_the_contract_tests_assert():

@@ -74,3 +74,21 @@ def test_clip_grad_norm_accepts_all_three_targets(fake):
 def test_clip_grad_norm_validates_max_norm(fake, bad):
     with pytest.raises(ValueError, match="max_norm must be a positive finite number"):
         amp.clip_grad_norm([FakeTensor([1.0])], bad)
+
+
+def test_callbacks_are_validated_and_reach_the_tape(fake):
+    p, q = FakeTensor([1.0]), FakeTensor([1.0])
+    with pytest.raises(TypeError, match="callables .* got int 3"):
+        amp.GradManager([p], callbacks=[3])
+    with pytest.raises(ValueError, match=r"needs params to attach them to"):
+        amp.GradManager(callbacks=lambda t, g: g)
+    seen = []
+
+    def double(t, g):
+        seen.append(t)
+        return FakeTensor([2 * v for v in g.values])
+
+    gm = amp.GradManager([p], callbacks=double).attach([p, q])  # p keeps its callback
+    with gm:
+        gm.backward(linear_loss([p, q], [[1.0], [1.0]]))
+    assert p.grad.values == [2.0] and q.grad.values == [1.0] and seen == [p]

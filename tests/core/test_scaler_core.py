@@ -247,7 +247,7 @@ def test_closure_is_rejected(fake):
 
 def test_bad_targets_are_type_errors(fake):
     scaler = amp.GradScaler()
-    with pytest.raises(TypeError, match="GradManager, an optimizer, or an iterable"):
+    with pytest.raises(TypeError, match="GradManager, an optimizer, a module, or an iterable"):
         scaler.unscale(42)
     with pytest.raises(TypeError, match="expects an optimizer"):
         scaler.step([FakeTensor([1.0])])

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import unified_amp as amp
-from examples import cnn_classifier, fp32_baseline, frameworks, gan, grad_accumulation, overflow
+from examples import (apex_style, cnn_classifier, fp32_baseline, frameworks, gan,
+                      grad_accumulation, overflow)
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline, overflow)
+SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline, apex_style, overflow)
 # What autocast(dtype=None) means on CPU; float16 on CUDA, where the examples run if
 # the framework sees a GPU.
 CPU_DEFAULT_DTYPE = {"torch": "bfloat16", "megengine": "float16"}
@@ -59,10 +60,11 @@ def assert_learned(losses, factor):
 def test_training_steps_are_written_once_in_framework_free_modules():
     """Each step lives in its example module, which imports no framework; the other
     tests spy on these very functions to check that the training loops call them."""
-    steps = {cnn_classifier: cnn_classifier.train_step, gan: gan.gan_step,
-             grad_accumulation: grad_accumulation.accumulation_step}
-    for module, step in steps.items():
-        assert step.__module__ == module.__name__
+    steps = {cnn_classifier: [cnn_classifier.train_step], gan: [gan.gan_step],
+             grad_accumulation: [grad_accumulation.accumulation_step],
+             apex_style: [apex_style.generator_step, apex_style.gan_step]}
+    for module, fns in steps.items():
+        assert all(step.__module__ == module.__name__ for step in fns)
     # Neither the framework kits nor the fp32 baseline bring a step of their own.
     for module in (frameworks, fp32_baseline):
         assert not [n for n in vars(module) if "step" in n.lower()], module.__name__
@@ -79,7 +81,7 @@ def test_training_steps_are_written_once_in_framework_free_modules():
 
 def test_importing_the_examples_imports_no_framework():
     code = ("import sys, examples.cnn_classifier, examples.gan, examples.grad_accumulation,"
-            " examples.fp32_baseline, examples.overflow\n"
+            " examples.fp32_baseline, examples.apex_style, examples.overflow\n"
             "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
@@ -213,3 +215,34 @@ def test_fp32_baseline_is_the_cnn_step_with_amp_off_and_equals_a_plain_loop(
     same(plain["losses"], r["losses"])
     for a, b in zip(weights(fw, plain["model"]), weights(fw, r["model"])):
         same(a, b)
+
+
+def test_apex_generator_pattern_at_every_level_and_o2_matches_o1(monkeypatch):
+    """initialize(..., num_losses=1) + scale_loss(..., loss_id=0) at O0-O3; on this model
+    O2 (low-precision weights, float32 masters, forward under autocast) reaches O1's
+    loss."""
+    scale_calls = count_calls(monkeypatch, amp, "scale_loss")
+    final = {}
+    for level in apex_style.LEVELS:
+        r = apex_style.train_generator(opt_level=level, steps=40, batch_size=32,
+                                       hidden=16)
+        assert_learned(r["losses"], 0.3)
+        assert r["properties"].opt_level == level
+        final[level] = np.mean(r["losses"][-10:])
+    assert len(scale_calls) == 4 * 40
+    assert all(kwargs.get("loss_id") == 0 for _, kwargs in scale_calls)
+    np.testing.assert_allclose(final["O2"], final["O1"], rtol=1e-2)
+    np.testing.assert_allclose(final["O1"], final["O0"], rtol=5e-2)
+
+
+def test_apex_gan_pattern_keeps_a_loss_scale_per_loss(monkeypatch, capsys):
+    steps = count_calls(monkeypatch, apex_style, "gan_step")
+    ids = count_calls(monkeypatch, amp, "scale_loss")
+    results = apex_style.main(["--pattern", "gan", "--steps", "12", "--batch-size", "32",
+                               "--no-progress"])
+    r = results["O1"]
+    assert len(steps) == 12
+    assert [kwargs["loss_id"] for _, kwargs in ids] == [0, 1] * 12
+    assert [s["steps"] for s in r["scalers"]] == [12, 12]  # one update per loss
+    assert all(math.isfinite(x) for x in r["d_losses"] + r["g_losses"])
+    assert "D (loss_id=0)" in capsys.readouterr().out

@@ -21,3 +21,11 @@ class KitBase:
             return x
 
         return params, forward
+
+    @staticmethod
+    def apex_weights(sizes, seed):
+        """(fc1 weight, fc1 bias, fc2 weight, fc2 bias) for ``apex_model``, from numpy."""
+        rng = np.random.RandomState(seed)
+        (n_in, hidden, n_out) = sizes
+        return (rng.randn(hidden, n_in) / np.sqrt(n_in), rng.randn(hidden) * 0.1,
+                rng.randn(n_out, hidden) / np.sqrt(hidden), np.zeros(n_out))

@@ -26,6 +26,29 @@ def _on(dev):
         mge.set_default_device(saved)
 
 
+class _ApexNet(M.Module):
+    """Linear - BatchNorm1d - ReLU - Linear; ``seen`` records the dtypes inside forward."""
+
+    def __init__(self, weights, batch_norm):
+        super().__init__()
+        w1, b1, w2, b2 = (np.asarray(a, np.float32) for a in weights)
+        self.fc1 = M.Linear(w1.shape[1], w1.shape[0])
+        self.bn = M.BatchNorm1d(w1.shape[0]) if batch_norm else M.Identity()
+        self.fc2 = M.Linear(w2.shape[1], w2.shape[0])
+        for p, a in zip((self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias),
+                        (w1, b1, w2, b2)):
+            p._reset(mge.tensor(a, device=p.device))
+        self.seen = {}
+
+    def forward(self, x):
+        self.seen["inputs in the model"] = np.dtype(x.dtype).name
+        h = self.fc1(x)
+        self.seen["activations"] = np.dtype(h.dtype).name
+        h = self.bn(h)
+        self.seen["batch norm output"] = np.dtype(h.dtype).name
+        return self.fc2(F.relu(h))
+
+
 class Kit(KitBase):
     name = "megengine"
 
@@ -73,6 +96,9 @@ class Kit(KitBase):
     def adam(self, params, lr):
         return O.Adam(params, lr=lr)
 
+    def multistep_lr(self, opt, milestones, gamma):
+        return O.MultiStepLR(opt, milestones, gamma)
+
     def opt_state(self, opt):
         out = []
         for group in opt.param_groups:
@@ -117,6 +143,18 @@ class Kit(KitBase):
     def host_reads(self):
         """The tensor methods that read values back to the host."""
         return mge.Tensor, ("item", "tolist", "numpy")
+
+    # -- apex-style models (amp.initialize) --------------------------------------------
+    def apex_model(self, dev, seed=0, sizes=(4, 8, 3), batch_norm=True):
+        """A small float32 module with batch norm; the same weights on both frameworks."""
+        with _on(dev):
+            return _ApexNet(self.apex_weights(sizes, seed), batch_norm)
+
+    def batch_norm_weight(self, model):
+        return model.bn.weight
+
+    def zero_grad(self, opt):
+        opt.clear_grad()
 
     # -- the dtype table ---------------------------------------------------------------
     def run_op(self, row, inp, dev, low, kind):

@@ -10,6 +10,31 @@ _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfl
        "int32": torch.int64}
 
 
+class _ApexNet(torch.nn.Module):
+    """Linear - BatchNorm1d - ReLU - Linear; ``seen`` records the dtypes inside forward."""
+
+    def __init__(self, weights, batch_norm):
+        super().__init__()
+        w1, b1, w2, b2 = (torch.tensor(np.asarray(a, np.float32)) for a in weights)
+        self.fc1 = torch.nn.Linear(w1.shape[1], w1.shape[0])
+        self.bn = torch.nn.BatchNorm1d(w1.shape[0]) if batch_norm else torch.nn.Identity()
+        self.fc2 = torch.nn.Linear(w2.shape[1], w2.shape[0])
+        with torch.no_grad():
+            for p, a in zip((self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias),
+                            (w1, b1, w2, b2)):
+                p.copy_(a)
+        self.seen = {}
+
+    def forward(self, x):
+        name = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
+        self.seen["inputs in the model"] = name(x)
+        h = self.fc1(x)
+        self.seen["activations"] = name(h)
+        h = self.bn(h)
+        self.seen["batch norm output"] = name(h)
+        return self.fc2(F.relu(h))
+
+
 class Kit(KitBase):
     name = "torch"
 
@@ -56,6 +81,9 @@ class Kit(KitBase):
     def adam(self, params, lr):
         return torch.optim.Adam(params, lr=lr)
 
+    def multistep_lr(self, opt, milestones, gamma):
+        return torch.optim.lr_scheduler.MultiStepLR(opt, milestones, gamma)
+
     def opt_state(self, opt):
         out = []
         for group in opt.param_groups:
@@ -100,6 +128,17 @@ class Kit(KitBase):
     def host_reads(self):
         """The tensor methods that read values back to the host."""
         return torch.Tensor, ("item", "tolist", "numpy")
+
+    # -- apex-style models (amp.initialize) --------------------------------------------
+    def apex_model(self, dev, seed=0, sizes=(4, 8, 3), batch_norm=True):
+        """A small float32 module with batch norm; the same weights on both frameworks."""
+        return _ApexNet(self.apex_weights(sizes, seed), batch_norm).to(dev)
+
+    def batch_norm_weight(self, model):
+        return model.bn.weight
+
+    def zero_grad(self, opt):
+        opt.zero_grad()
 
     # -- the dtype table ---------------------------------------------------------------
     def run_op(self, row, inp, dev, low, kind):

@@ -25,7 +25,7 @@ from megengine.core._imperative_rt.core2 import (
     _set_amp_low_prec_dtype,
 )
 from megengine.core.tensor import amp as _amp_state
-from megengine.core.tensor.dtype import is_bfloat16
+from megengine.core.tensor.dtype import bfloat16, is_bfloat16
 from megengine.functional.math import _check_non_finite
 from megengine.module import Module as _Module
 from megengine.optimizer import clip_grad_norm as _clip_grad_norm
@@ -171,8 +171,10 @@ class _Tape:
     def __init__(self) -> None:
         self.gm = _NativeGradManager()
 
-    def attach(self, params: Sequence[Any]) -> None:
-        self.gm.attach(params)
+    def attach(self, params: Sequence[Any], callbacks: Sequence[Any] = ()) -> None:
+        # Passed straight on, so that MegEngine's own callbacks (make_allreduce_cb, which
+        # asks for the GradManager running backward) work unchanged.
+        self.gm.attach(params, callbacks=list(callbacks))
 
     def record(self) -> None:
         self.gm.record()
@@ -320,9 +322,6 @@ class MegEngineBackend:
             start += n
         return out
 
-    def is_module(self, obj: Any) -> bool:
-        return isinstance(obj, _Module)
-
     def named_modules(self, model: Any) -> list[tuple[str, Any]]:
         return list(model.named_modules())
 
@@ -333,3 +332,122 @@ class MegEngineBackend:
         if pre:
             return module.register_forward_pre_hook(hook)
         return module.register_forward_hook(hook)
+
+    # -- opt levels ---------------------------------------------------------------------
+    # MegEngine has no multi-tensor kernels (its own optimizers loop over parameters in
+    # Python too), so the gradient and weight copies below are one op per tensor.
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, _Module)
+
+    def device_type(self, tensor: Any) -> str:
+        return "cpu" if _on_cpu(tensor) else "cuda"
+
+    def default_low_dtype(self, device: str) -> str:
+        return "float16"  # its CPU build computes no bfloat16 (check_precision)
+
+    def cast(self, tensor: Any, dtype: str) -> Any:
+        if self.dtype_name(tensor.dtype) == dtype:
+            return tensor
+        return tensor.astype(bfloat16 if dtype == "bfloat16" else dtype)
+
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+        for sub in module.modules():
+            if keep_batchnorm_fp32 and isinstance(sub, _mbn._BatchNorm):
+                continue
+            tensors = [t for _, t in sub.named_parameters(recursive=False)]
+            tensors += [t for _, t in sub.named_buffers(recursive=False)]
+            for t in tensors:
+                if self.dtype_name(t.dtype) in ("float32", "float16", "bfloat16"):
+                    t._reset(self.cast(t, dtype))  # the same Parameter object, new value
+
+    def low_precision_batch_norm(self, dtype: str) -> bool:
+        # float16 batch norm weights abort the process on the CPU build ("free():
+        # invalid pointer") or fail an assertion; unverified on CUDA, so never.
+        return False
+
+    def steps_low_precision(self, optimizer: Any) -> bool:
+        # Its SGD, Adam, ... update in float32 (`param -= lr * grad` with float32 lr
+        # and state), which fails on float16 parameters.
+        return False
+
+    def master_copy(self, param: Any) -> Any:
+        return megengine.Parameter(param.astype("float32"))
+
+    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
+        new = {id(old): master for old, master in pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+        for old, master in pairs:
+            if old in optimizer._state:
+                optimizer._state[master] = optimizer._state.pop(old)
+
+    def take_grads(self, params: Sequence[Any]) -> list[Any]:
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    def restore_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def grads_to_masters(self, params: Sequence[Any], masters: Sequence[Any]) -> None:
+        for p, m in zip(params, masters):
+            if p.grad is not None:
+                m.grad = p.grad.astype("float32")
+                p.grad = None
+
+    def copy_params(self, dst: Sequence[Any], src: Sequence[Any]) -> None:
+        for d, s in zip(dst, src):
+            d._reset(self.cast(s, self.dtype_name(d.dtype)))
+
+    def skipped_step_result(self, optimizer: Any) -> Any:
+        return optimizer  # MegEngine's step() returns self: opt.step().clear_grad()
+
+    # -- distributed (optional part of the interface) -----------------------------------
+    # MegEngine's collectives run on GPUs with NCCL only (megengine.distributed rejects
+    # "cpu"). Its data-parallel gradients are identical on every rank after
+    # make_allreduce_cb, so these serve GradScaler(process_group=...) alone.
+    def world_group(self) -> Any:
+        from megengine import distributed as dist
+
+        if not dist.is_distributed() or dist.get_world_size() < 2:
+            return None
+        return dist.group.WORLD
+
+    def check_group(self, group: Any) -> None:
+        from megengine import distributed as dist
+
+        if not dist.is_distributed():
+            raise RuntimeError(
+                "GradScaler(process_group=...) was given a group, but megengine.distributed"
+                " is not initialised (it runs on GPUs with NCCL only): launch the workers"
+                " with megengine.distributed.launcher or init_process_group() first."
+            )
+        if not isinstance(group, dist.group.Group):
+            raise TypeError(
+                f"GradScaler process_group must be a megengine.distributed Group (e.g."
+                f" megengine.distributed.group.WORLD or one from new_group()); got"
+                f" {type(group).__name__} {group!r}."
+            )
+
+    def grad_kind(self, param: Any) -> str:
+        return "local"
+
+    def zero_grad_like(self, param: Any) -> Any:
+        return F.zeros_like(param)
+
+    def clean_flag(self, params: Sequence[Any], group: Any) -> Any:
+        device = params[0].device if params else None
+        return [megengine.tensor(0, dtype="int32", device=device)]
+
+    def all_reduce_max_async(self, flag: Any, group: Any) -> tuple[Any, Any]:
+        from megengine.distributed.functional import all_reduce_max
+
+        # One value per device from the fused kernel; MegEngine queues ops
+        # asynchronously, so there is no handle to wait for.
+        total = flag[0]
+        for f in flag[1:]:
+            total = total + f.to(total.device)
+        return [all_reduce_max(total, group)], None

@@ -9,12 +9,15 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from unified_amp import scaler as _core
 from unified_amp.errors import UnsupportedPrecisionError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_ALL_DTYPES = dict(_DTYPES, float32=torch.float32)
+_BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm
 _LOW = (torch.float16, torch.bfloat16)
 
 # Ops the dtype contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md).
@@ -28,6 +31,19 @@ _FP32_OPS = (
     "exp", "log", "layer_norm", "avg_pool2d", "adaptive_avg_pool2d",
 )
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+
+_DTensor: Any = None
+
+
+def _dtensor_class() -> type:
+    """DTensor, imported on the first distributed check (it pulls in a lot)."""
+    global _DTensor
+    if _DTensor is None:
+        from torch.distributed.tensor import DTensor
+
+        _DTensor = DTensor
+    return _DTensor
 
 
 class _Policy(threading.local):
@@ -88,8 +104,11 @@ class _Tape:
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
         self._grad_mode: bool | None = None
+        # id(param) -> callbacks, MegEngine's: each gets (param, this backward's
+        # gradient) and returns the gradient passed on, then accumulated into .grad.
+        self._callbacks: dict[int, list[Any]] = {}
 
-    def attach(self, params: Sequence[torch.Tensor]) -> None:
+    def attach(self, params: Sequence[torch.Tensor], callbacks: Sequence[Any] = ()) -> None:
         for p in params:
             if not p.is_leaf:
                 raise ValueError(
@@ -105,7 +124,11 @@ class _Tape:
                     )
                 # Attaching is what makes a tensor differentiable in MegEngine.
                 p.requires_grad_(True)
-        self.params.extend(params)
+        known = {id(p) for p in self.params}
+        self.params.extend(p for p in params if id(p) not in known)
+        if callbacks:
+            for p in params:  # concatenated per tensor on repeated attach, as MegEngine
+                self._callbacks.setdefault(id(p), []).extend(callbacks)
 
     def record(self) -> None:
         self._grad_mode = torch.is_grad_enabled()
@@ -121,8 +144,33 @@ class _Tape:
             return
         if dys is None:
             dys = [torch.ones_like(y) for y in ys]
-        # inputs= keeps gradients to the attached tensors, as MegEngine does.
-        torch.autograd.backward(list(ys), grad_tensors=list(dys), inputs=self.params)
+        hooked = [p for p in self.params if id(p) in self._callbacks]
+        if not hooked:
+            # inputs= keeps gradients to the attached tensors, as MegEngine does.
+            torch.autograd.backward(list(ys), grad_tensors=list(dys), inputs=self.params)
+            return
+        # The callbacks see this backward's gradient alone, before it joins what .grad
+        # holds: set the old gradients aside, run the backward, then pass each new
+        # gradient through its callbacks and accumulate it (after backward, in place,
+        # as autograd would have).
+        kept = [(p, p.grad) for p in hooked]
+        for p in hooked:
+            p.grad = None
+        try:
+            torch.autograd.backward(list(ys), grad_tensors=list(dys), inputs=self.params)
+        except BaseException:
+            for p, old in kept:
+                p.grad = old
+            raise
+        with torch.no_grad():
+            for p, old in kept:
+                new = p.grad
+                if new is None:  # no gradient reached it: its callbacks do not run
+                    p.grad = old
+                    continue
+                for callback in self._callbacks[id(p)]:
+                    new = callback(p, new)
+                p.grad = new if old is None else old.add_(new)
 
 
 def _check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any
@@ -405,6 +453,8 @@ class TorchBackend:
             counts = []
             for t in tensors:
                 t = t._values() if t.is_sparse else t
+                # A DTensor's own counts would be a collective: count this rank's shard.
+                t = t.to_local() if hasattr(t, "to_local") else t
                 counts.append(torch.stack([torch.isinf(t).sum(), torch.isnan(t).sum()]))
             target = counts[0].device
             rows = torch.stack([c.to(target) for c in counts]).tolist()  # the one read
@@ -436,9 +486,6 @@ class TorchBackend:
             start += 2 * n
         return out
 
-    def is_module(self, obj: Any) -> bool:
-        return isinstance(obj, torch.nn.Module)
-
     def named_modules(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
         return list(model.named_modules())
 
@@ -460,6 +507,148 @@ class TorchBackend:
                      skipped: int) -> _DeviceScale:
         device = next(p.device for g in optimizer.param_groups for p in g["params"])
         return _DeviceScale(device, scale, tracker, skipped)
+
+    # -- opt levels ---------------------------------------------------------------------
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, torch.nn.Module)
+
+    def device_type(self, tensor: torch.Tensor) -> str:
+        return "cuda" if tensor.device.type == "cuda" else "cpu"
+
+    def default_low_dtype(self, device: str) -> str:
+        return self._default_dtype(device)
+
+    def cast(self, tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+        return tensor.to(_ALL_DTYPES[dtype])
+
+    def cast_module(self, module: torch.nn.Module, dtype: str,
+                    keep_batchnorm_fp32: bool) -> None:
+        target = _ALL_DTYPES[dtype]
+        with torch.no_grad():
+            for sub in module.modules():
+                if keep_batchnorm_fp32 and isinstance(sub, _BATCH_NORM):
+                    continue
+                # Through .data, as Module.to() does: each Parameter object stays the
+                # same, so the optimizers that hold it need no change.
+                for p in sub.parameters(recurse=False):
+                    if p.is_floating_point():
+                        p.data = p.data.to(target)
+                for name, buf in sub.named_buffers(recurse=False):
+                    if buf is not None and buf.is_floating_point():
+                        setattr(sub, name, buf.to(target))
+
+    def low_precision_batch_norm(self, dtype: str) -> bool:
+        return True
+
+    def steps_low_precision(self, optimizer: Any) -> bool:
+        return True
+
+    def master_copy(self, param: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
+
+    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
+        new = {id(old): master for old, master in pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+        for old, master in pairs:
+            if old in optimizer.state:
+                optimizer.state[master] = optimizer.state.pop(old)
+
+    def take_grads(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    def restore_grads(self, params: Sequence[torch.Tensor], grads: Sequence[Any]) -> None:
+        into, add = [], []
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                into.append(p.grad)
+                add.append(g)
+        if into:
+            with torch.no_grad():
+                torch._foreach_add_(into, add)
+
+    def grads_to_masters(self, params: Sequence[torch.Tensor],
+                         masters: Sequence[torch.Tensor]) -> None:
+        pairs = [(p, m) for p, m in zip(params, masters) if p.grad is not None]
+        if not pairs:
+            return
+        bufs = [torch.empty_like(m) for _, m in pairs]
+        with torch.no_grad():
+            torch._foreach_copy_(bufs, [p.grad for p, _ in pairs])  # cast, fused
+        for (p, m), buf in zip(pairs, bufs):
+            m.grad = buf
+            p.grad = None
+
+    def copy_params(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(list(dst), list(src))
+
+    def skipped_step_result(self, optimizer: Any) -> None:
+        return None
+
+    # -- distributed (optional part of the interface) -----------------------------------
+    def world_group(self) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+    def check_group(self, group: Any) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "GradScaler(process_group=...) was given a group, but torch.distributed is"
+                " not initialised: call torch.distributed.init_process_group() first."
+            )
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"GradScaler process_group must be a torch.distributed ProcessGroup (e.g."
+                f" torch.distributed.group.WORLD or one from new_group()); got"
+                f" {type(group).__name__} {group!r}."
+            )
+
+    def grad_kind(self, param: torch.Tensor) -> str:
+        if isinstance(param, _dtensor_class()):
+            return "dtensor"  # torch all-reduces found_inf inside its kernel's dispatch
+        if getattr(param, "_fsdp_flattened", False):
+            return "sharded"  # FSDP1: each rank holds its own shard of the gradient
+        return "local"
+
+    def zero_grad_like(self, param: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(param)  # a DTensor for a DTensor parameter
+
+    def clean_flag(self, params: Sequence[torch.Tensor], group: Any) -> torch.Tensor:
+        device = params[0].device if params else self._group_device(group)
+        return torch.zeros((), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _group_device(group: Any) -> torch.device:
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_reduce_max_async(self, flag: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+        if flag.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            flag = flag.to(self._group_device(group), non_blocking=True)  # CPU offload
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        return flag, work
+
+    def grad_sync_paused(self, module: Any) -> bool:
+        # DDP.no_sync() sets this to False for the window's duration.
+        return getattr(module, "require_backward_grad_sync", True) is False
+
+    def module_clip_grad_norm(self, module: Any, max_norm: float,
+                              norm_type: float) -> float | None:
+        clip = getattr(module, "clip_grad_norm_", None)  # FSDP1's: the global norm
+        if clip is None:
+            return None
+        return float(clip(max_norm, norm_type))
 
     # -- the scaler's class (optional part of the interface) ------------------------------
     def scaler_class(self, device: str | None) -> type:
@@ -513,7 +702,7 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
         flags = []
         for check in checks:
             if check.flag is not None:
-                flags.append(check.flag)
+                flags.append(check.ready())
             elif check.found is not None:
                 flags.append(torch.full((), float(check.found), device=self._torch_device()))
         return flags

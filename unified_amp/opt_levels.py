@@ -1,0 +1,551 @@
+"""apex.amp's API -- ``initialize``, ``scale_loss``, opt levels O0-O3 -- on both frameworks.
+
+An opt level is a configuration of the same core: ``autocast`` for the forward pass,
+one ``GradScaler`` per ``loss_id``, and (O2, and O3 on MegEngine) float32 master
+weights that the optimizer steps. The frameworks' part is a handful of adapter
+primitives (cast a module, copy grads to the masters, copy the masters back);
+everything about *when* lives here and in ``_amp_patch.py``.
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    loss = loss_fn(model(x), y)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()              # torch; gm.backward(scaled_loss) on either
+    optimizer.step()                        # skipped after an overflow
+
+docs/APEX.md has the table of what each level does on each backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import _amp_patch
+from ._interface import LOW_PRECISION
+from ._registry import get_backend
+from ._targets import is_optimizer
+from .autocast import _normalize_dtype
+from .errors import UnsupportedPrecisionError
+from .scaler import GradScaler
+
+__all__ = [
+    "OptProperties",
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "loss_scaler",
+    "opt_properties",
+]
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+_APEX_INIT_SCALE = 2.0**16  # apex's first dynamic scale (before max_loss_scale caps it)
+_APEX_GROWTH_INTERVAL = 2000  # apex's scale_window
+
+
+@dataclass(frozen=True)
+class OptProperties:
+    """What an opt level does, after overrides and the backend's limits are applied.
+
+    Attributes:
+        opt_level: "O0" .. "O3".
+        cast_model_type: the dtype the model's weights are cast to ("float16",
+            "bfloat16"), "float32" (O0: checked, not cast), or None (O1: untouched).
+        autocast: whether the model's forward runs under ``amp.autocast(low_dtype)``.
+        keep_batchnorm_fp32: batch norm weights and statistics stay float32 when the
+            model is cast (None when it is not).
+        master_weights: float32 copies of the low-precision weights are what the
+            optimizer steps.
+        loss_scale: "dynamic" or a fixed number (1.0: no scaling).
+        low_dtype: the low precision of this run ("float16" or "bfloat16").
+        min_loss_scale, max_loss_scale: bounds of a dynamic scale.
+    """
+
+    opt_level: str
+    cast_model_type: str | None
+    autocast: bool
+    keep_batchnorm_fp32: bool | None
+    master_weights: bool
+    loss_scale: str | float
+    low_dtype: str
+    min_loss_scale: float | None
+    max_loss_scale: float
+
+    @property
+    def casts_model(self) -> bool:
+        return self.cast_model_type in LOW_PRECISION
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether scale_loss goes through a GradScaler. A fixed scale of 1.0 without
+        master weights is a pass-through, as in apex."""
+        return self.loss_scale == "dynamic" or self.loss_scale != 1.0 or self.master_weights
+
+
+# apex's presets, in unified_amp's terms. "low" is resolved to low_dtype. O2 runs its
+# forward under autocast, unlike apex: see docs/APEX.md ("What differs").
+_PRESETS: dict[str, dict[str, Any]] = {
+    "O0": dict(cast_model_type="float32", autocast=False, keep_batchnorm_fp32=None,
+               master_weights=False, loss_scale=1.0),
+    "O1": dict(cast_model_type=None, autocast=True, keep_batchnorm_fp32=None,
+               master_weights=False, loss_scale="dynamic"),
+    "O2": dict(cast_model_type="low", autocast=True, keep_batchnorm_fp32=True,
+               master_weights=True, loss_scale="dynamic"),
+    "O3": dict(cast_model_type="low", autocast=False, keep_batchnorm_fp32=False,
+               master_weights=False, loss_scale=1.0),
+}
+
+
+# -- validating the arguments ---------------------------------------------------------
+def _positive(value: Any, name: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"amp.initialize {name} must be a positive finite number; got"
+                         f" {value!r}.")
+    return float(value)
+
+
+def _loss_scale(value: Any) -> str | float:
+    if isinstance(value, str) and value.strip().lower() == "dynamic":
+        return "dynamic"
+    try:
+        return _positive(value, "loss_scale")
+    except ValueError:
+        raise ValueError(
+            f"amp.initialize loss_scale must be 'dynamic' or a positive finite number"
+            f" (a number in a string, such as '128.0', is accepted); got {value!r}."
+        ) from None
+
+
+def _flag(value: Any, name: str) -> bool | None:
+    """None, a bool, or apex's "True"/"False" strings."""
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("True", "False"):
+        return value == "True"
+    raise TypeError(f"amp.initialize {name} must be True, False, 'True', 'False' or None;"
+                    f" got {value!r}.")
+
+
+def _cast_type(value: Any, backend: Any) -> str | None:
+    """None (leave the weights alone), "float32", "float16" or "bfloat16"."""
+    if value is None or value is False:
+        return None
+    name = value.strip().lower() if isinstance(value, str) else backend.dtype_name(value)
+    name = {"fp32": "float32", "float": "float32"}.get(name, name)
+    if name == "float32":
+        return "float32"
+    try:
+        return _normalize_dtype(value, "cast_model_type")
+    except ValueError:
+        raise ValueError(
+            f"amp.initialize cast_model_type must be 'float16', 'bfloat16', 'float32',"
+            f" None or the framework's dtype object for one of them; got {value!r}."
+        ) from None
+
+
+def resolve_properties(backend: Any, opt_level: Any, *, device: str | None,
+                       optimizers: list[Any], cast_model_type: Any = None,
+                       keep_batchnorm_fp32: Any = None, master_weights: Any = None,
+                       loss_scale: Any = None, min_loss_scale: Any = None,
+                       max_loss_scale: Any = 2.0**24, low_dtype: Any = None
+                       ) -> OptProperties:
+    """The preset of ``opt_level`` with the overrides applied, checked for combinations
+    that cannot work here. Raises ValueError / TypeError / UnsupportedPrecisionError."""
+    if opt_level not in _PRESETS:
+        hint = " (the letter O, not zero)" if str(opt_level).startswith("0") else ""
+        raise ValueError(f"amp.initialize opt_level must be one of {', '.join(OPT_LEVELS)}"
+                         f"{hint}; got {opt_level!r}.")
+    p = dict(_PRESETS[opt_level])
+    low = _normalize_dtype(low_dtype, "low_dtype")
+    cast = _cast_type(cast_model_type, backend)
+    if cast in LOW_PRECISION:
+        if low is not None and low != cast:
+            raise ValueError(f"amp.initialize got cast_model_type={cast!r} and"
+                             f" low_dtype={low!r}; they name the same low precision, so"
+                             f" pass one of them (or the same dtype twice).")
+        low = cast
+    if low is None:
+        low = backend.default_low_dtype(device or ("cuda" if backend.cuda_available()
+                                                   else "cpu"))
+    if cast_model_type is not None and cast_model_type is not False:
+        if opt_level == "O1" and cast != "float32":
+            raise ValueError(
+                f"amp.initialize: O1 keeps the weights float32 and casts per op (autocast);"
+                f" cast_model_type={cast_model_type!r} contradicts it. For low-precision"
+                f" weights use opt_level='O2' (float32 master weights) or 'O3'.")
+        p["cast_model_type"] = cast
+    elif cast_model_type is False:
+        p["cast_model_type"] = None
+    if p["cast_model_type"] == "low":
+        p["cast_model_type"] = low
+    casts = p["cast_model_type"] in LOW_PRECISION
+
+    keep_bn = _flag(keep_batchnorm_fp32, "keep_batchnorm_fp32")
+    if keep_bn is not None:
+        if not casts:
+            raise ValueError(
+                f"amp.initialize keep_batchnorm_fp32={keep_bn!r} applies only when the"
+                f" model is cast to a low precision (O2, O3 or a low cast_model_type);"
+                f" at {opt_level} with cast_model_type={p['cast_model_type']!r} leave it"
+                f" None." + (" O1 runs batch norm in float32 by itself." if opt_level == "O1"
+                             else ""))
+        if keep_bn is False and not backend.low_precision_batch_norm(low):
+            raise UnsupportedPrecisionError(
+                f"amp.initialize keep_batchnorm_fp32=False: {backend.name} cannot run"
+                f" batch norm with {low} weights on this build (MegEngine's CPU build"
+                f" aborts the process). Leave keep_batchnorm_fp32 at None; batch norm then"
+                f" stays float32 (docs/APEX.md).")
+        p["keep_batchnorm_fp32"] = keep_bn
+    if not casts:
+        p["keep_batchnorm_fp32"] = None
+    elif not p["keep_batchnorm_fp32"] and not backend.low_precision_batch_norm(low):
+        p["keep_batchnorm_fp32"] = True  # O3's default where low batch norm cannot run
+
+    masters = _flag(master_weights, "master_weights")
+    if masters is not None:
+        if masters and not casts:
+            raise ValueError(
+                f"amp.initialize master_weights=True needs a model cast to a low"
+                f" precision (O2, O3 or a low cast_model_type); at {opt_level} the"
+                f" weights are already float32" + (": O1 casts per op, not the weights."
+                                                  if opt_level == "O1" else "."))
+        p["master_weights"] = masters
+    if casts and not p["master_weights"] and optimizers:
+        cannot = [o for o in optimizers if not backend.steps_low_precision(o)]
+        if cannot and masters is False:
+            raise UnsupportedPrecisionError(
+                f"amp.initialize master_weights=False: {type(cannot[0]).__name__} on"
+                f" {backend.name} cannot update {low} parameters. Leave master_weights at"
+                f" None (float32 master weights are then used) or use opt_level='O2'.")
+        if cannot:
+            p["master_weights"] = True  # O3 on a backend whose optimizers need float32
+
+    if loss_scale is not None:
+        p["loss_scale"] = _loss_scale(loss_scale)
+    max_scale = _positive(max_loss_scale, "max_loss_scale")
+    min_scale = None if min_loss_scale is None else _positive(min_loss_scale,
+                                                               "min_loss_scale")
+    if min_scale is not None and min_scale > max_scale:
+        raise ValueError(f"amp.initialize min_loss_scale ({min_scale!r}) is above"
+                         f" max_loss_scale ({max_scale!r}).")
+    props = OptProperties(opt_level=opt_level, autocast=p["autocast"],
+                          cast_model_type=p["cast_model_type"],
+                          keep_batchnorm_fp32=p["keep_batchnorm_fp32"],
+                          master_weights=p["master_weights"], loss_scale=p["loss_scale"],
+                          low_dtype=low, min_loss_scale=min_scale, max_loss_scale=max_scale)
+    if (props.scales_loss and props.cast_model_type == "float16"
+            and not props.master_weights and optimizers):
+        raise ValueError(
+            f"amp.initialize at {opt_level} with loss_scale={props.loss_scale!r}: the"
+            f" gradients of float16 weights would be float16, and unscaling them loses what"
+            f" the scaling protected. Pass master_weights=True (float32 master weights),"
+            f" or loss_scale=1.0.")
+    if props.autocast or props.casts_model:
+        backend.check_precision(low, device)
+    return props
+
+
+# -- the state of one initialize() call -----------------------------------------------
+class _AmpState:
+    """Loss scalers and bookkeeping of one ``initialize`` call; ``props`` is None after
+    ``initialize(enabled=False)``, which makes everything a pass-through."""
+
+    def __init__(self, props: OptProperties | None, num_losses: int) -> None:
+        self.props = props
+        self.backend = get_backend()
+        if props is None:
+            self.bounds = (None, None)
+            self.scalers = [GradScaler(enabled=False) for _ in range(num_losses)]
+            return
+        dynamic = props.loss_scale == "dynamic"
+        if dynamic:
+            self.bounds = (props.min_loss_scale, props.max_loss_scale)
+            init = _APEX_INIT_SCALE
+        else:  # a fixed scale: a scaler that never grows, held in place after backoffs
+            init = float(props.loss_scale)
+            self.bounds = (init, init)
+        init = self._clamp_value(init)
+        self.scalers = [
+            GradScaler(init_scale=init, growth_interval=_APEX_GROWTH_INTERVAL if dynamic
+                       else 0, enabled=props.scales_loss)
+            for _ in range(num_losses)
+        ]
+
+    def _clamp_value(self, scale: float) -> float:
+        low, high = self.bounds
+        if high is not None and scale > high:
+            scale = high
+        if low is not None and scale < low:
+            scale = low
+        return scale
+
+    def clamp(self, scaler: GradScaler) -> None:
+        """apex's min/max loss scale, applied after update() (the tracker is kept)."""
+        scale = scaler.get_scale()
+        clamped = self._clamp_value(scale)
+        if clamped != scale:
+            scaler.scale_factor = clamped
+
+
+_state: _AmpState | None = None
+
+
+def _current(what: str) -> _AmpState:
+    if _state is None:
+        raise RuntimeError(
+            f"amp.{what} was called before amp.initialize(). Call"
+            f" `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first.")
+    return _state
+
+
+# -- initialize -------------------------------------------------------------------------
+def _as_list(x: Any, kind: str, check: Any) -> tuple[list[Any], bool]:
+    if isinstance(x, (list, tuple)):
+        items, was_list = list(x), True
+    else:
+        items, was_list = [x], False
+    for item in items:
+        if not check(item):
+            raise TypeError(
+                f"amp.initialize expects {kind} or a list of them; got"
+                f" {type(item).__name__}.")
+    return items, was_list
+
+
+def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
+               num_losses: int = 1, *, cast_model_type: Any = None,
+               keep_batchnorm_fp32: Any = None, master_weights: Any = None,
+               loss_scale: Any = None, min_loss_scale: Any = None,
+               max_loss_scale: Any = 2.0**24, low_dtype: Any = None,
+               enabled: bool = True, verbosity: int = 1) -> Any:
+    """Prepares models and optimizers for mixed precision at an apex opt level.
+
+    Args:
+        models: a module (torch or MegEngine) or a list of them, in float32.
+        optimizers: an optimizer or a list of them over those models' parameters, or
+            None for inference.
+        opt_level: "O0" (float32), "O1" (autocast), "O2" (low-precision weights, float32
+            master weights) or "O3" (everything low). docs/APEX.md has the details.
+        num_losses: how many loss scales to keep; ``scale_loss(..., loss_id=k)``
+            uses the k-th.
+        cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale: apex's
+            overrides of the opt level's properties (None keeps the level's value).
+        min_loss_scale, max_loss_scale: bounds of a dynamic loss scale.
+        low_dtype: "float16" or "bfloat16"; None picks the device's, as
+            ``amp.autocast(dtype=None)`` does.
+        enabled: False returns the models and optimizers untouched, and ``scale_loss``
+            passes the loss through.
+        verbosity: accepted for apex compatibility; unified_amp prints nothing.
+
+    Returns:
+        The models and optimizers, in the shapes they were given (the same objects,
+        changed in place); only the models when ``optimizers`` is None.
+
+    Raises:
+        TypeError, ValueError: a bad argument or an impossible combination of them.
+        UnsupportedPrecisionError: a precision the backend cannot compute here.
+        RuntimeError: a model or optimizer went through ``initialize`` already.
+    """
+    global _state
+    backend = get_backend()
+    model_list, models_was_list = _as_list(models, f"a {backend.name} module",
+                                           backend.is_module)
+    if optimizers is None:
+        opt_list, opts_was_list = [], False
+    else:
+        opt_list, opts_was_list = _as_list(optimizers, "an optimizer", is_optimizer)
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int):
+        raise TypeError(f"amp.initialize num_losses must be an int; got {num_losses!r}.")
+    if num_losses < 1:
+        raise ValueError(f"amp.initialize num_losses must be >= 1; got {num_losses!r}.")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"amp.initialize enabled must be a bool; got {enabled!r}.")
+
+    def result() -> Any:
+        m = (type(models)(model_list) if isinstance(models, tuple) else model_list) \
+            if models_was_list else model_list[0]
+        if optimizers is None:
+            return m
+        o = (type(optimizers)(opt_list) if isinstance(optimizers, tuple) else opt_list) \
+            if opts_was_list else opt_list[0]
+        return m, o
+
+    _amp_patch.check_fresh(model_list, opt_list)
+    if not enabled:
+        _state = _AmpState(None, num_losses)
+        return result()
+
+    params = [p for m in model_list for p in m.parameters()]
+    for p in params:
+        name = backend.dtype_name(p.dtype)
+        if name in LOW_PRECISION or name == "float64":
+            raise ValueError(
+                f"amp.initialize expects float32 models; got a {name} parameter of shape"
+                f" {tuple(p.shape)}. Pass the float32 model: initialize casts it for the"
+                f" opt level (there is no need to call .half() first).")
+    device = backend.device_type(params[0]) if params else None
+    props = resolve_properties(
+        backend, opt_level, device=device, optimizers=opt_list,
+        cast_model_type=cast_model_type, keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights, loss_scale=loss_scale,
+        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, low_dtype=low_dtype)
+    state = _AmpState(props, num_losses)
+    _amp_patch.prepare(state, model_list, opt_list)
+    _state = state
+    return result()
+
+
+# -- scale_loss -------------------------------------------------------------------------
+@contextlib.contextmanager
+def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
+               delay_unscale: bool = False) -> Iterator[Any]:
+    """Yields the loss times loss scale ``loss_id``; on exit, unscales and checks the
+    gradients of ``optimizers``' parameters and updates that scale.
+
+    ``scaled_loss.backward()`` (torch) or ``gm.backward(scaled_loss)`` (either
+    framework) goes inside the block; ``optimizer.step()`` after it. On an overflow
+    the gradients are dropped, the next ``step()`` of each of ``optimizers`` is skipped
+    (parameters and master weights stay bit for bit), and only this loss's scale backs
+    off.
+
+    Args:
+        loss: the loss tensor (cast to float32 before scaling).
+        optimizers: the optimizer, or list of them, whose parameters this backward pass
+            fills, as returned by ``amp.initialize``.
+        loss_id: which of the ``num_losses`` scales to use.
+        delay_unscale: leave the gradients scaled, to accumulate more backward passes
+            with the same ``loss_id``; the last pass before ``step()`` must not delay.
+
+    Each optimizer keeps the loss scalers of the ``initialize`` call that prepared it,
+    so models initialized separately (at different opt levels, say) train side by side.
+
+    Raises:
+        RuntimeError: an optimizer ``initialize`` did not prepare; optimizers from two
+            ``initialize`` calls in one pass; a pass that mixes gradients scaled by two
+            different loss_ids.
+        ValueError: ``loss_id`` out of range.
+    """
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if _state is not None and _state.props is None and not any(
+            _amp_patch.info_of(o) for o in opts):
+        yield loss  # initialize(enabled=False)
+        return
+    state = _amp_patch.state_of(opts, _state)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int):
+        raise TypeError(f"amp.scale_loss loss_id must be an int; got {loss_id!r}.")
+    if not 0 <= loss_id < len(state.scalers):
+        raise ValueError(
+            f"amp.scale_loss loss_id={loss_id} is out of range: amp.initialize was called"
+            f" with num_losses={len(state.scalers)}, so loss_id must be in"
+            f" 0..{len(state.scalers) - 1}.")
+    infos = [_amp_patch.info_of(opt) for opt in opts]
+    backend = state.backend
+    scaler = state.scalers[loss_id]
+    if not state.props.scales_loss:
+        yield backend.cast(loss, "float32")
+        return
+    for info in infos:
+        info.begin_pass(loss_id)
+    try:
+        yield scaler.scale(backend.cast(loss, "float32"))
+    except BaseException:
+        for info in infos:
+            info.abort_pass()
+        raise
+    if delay_unscale:
+        for info in infos:
+            info.scaled_by = loss_id
+        return
+    targets: list[Any] = []
+    for info in infos:
+        targets.extend(info.collect_grads())
+    scaler.unscale(targets)  # one fused check over every optimizer: one host sync
+    scaler.update()
+    state.clamp(scaler)
+    overflow = scaler.stats()["last_step_skipped"]
+    for info in infos:
+        info.end_pass(overflow)
+
+
+# -- the rest of apex's surface -----------------------------------------------------------
+def master_params(optimizer: Any) -> Iterator[Any]:
+    """The parameters ``optimizer`` steps: the float32 master weights where the opt level
+    keeps them (O2), else the model's own. Clip these after ``scale_loss``'s block."""
+    if not is_optimizer(optimizer):
+        raise TypeError(f"amp.master_params expects an optimizer; got"
+                        f" {type(optimizer).__name__}.")
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def loss_scaler(loss_id: int = 0) -> GradScaler:
+    """The GradScaler behind ``loss_id`` (for ``stats()``, ``get_scale()``)."""
+    state = _current("loss_scaler()")
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not (
+            0 <= loss_id < len(state.scalers)):
+        raise ValueError(f"amp.loss_scaler loss_id must be in 0..{len(state.scalers) - 1};"
+                         f" got {loss_id!r}.")
+    return state.scalers[loss_id]
+
+
+def opt_properties() -> OptProperties | None:
+    """The properties the last ``initialize`` resolved (after overrides and backend
+    limits); None after ``initialize(enabled=False)``."""
+    return _current("opt_properties()").props
+
+
+def state_dict() -> dict[str, dict[str, Any]]:
+    """Every loss scale of the latest ``initialize``, as ``{"loss_scaler0":
+    GradScaler.state_dict(), ...}``: plain Python numbers, loadable on either backend."""
+    state = _current("state_dict()")
+    return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(state.scalers)}
+
+
+def load_state_dict(state_dict: Mapping[str, Any]) -> None:
+    """Loads ``amp.state_dict()``'s output, or apex's (``{"loss_scaler0": {"loss_scale":
+    ..., "unskipped": ...}}``), into the loss scalers of the last ``initialize``.
+
+    Raises:
+        ValueError: a different number of loss scalers, or a malformed entry (nothing
+            is loaded then).
+    """
+    state = _current("load_state_dict()")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"amp.load_state_dict expects a dict from amp.state_dict(); got"
+                        f" {type(state_dict).__name__}.")
+    want = [f"loss_scaler{i}" for i in range(len(state.scalers))]
+    if sorted(state_dict) != sorted(want):
+        raise ValueError(
+            f"amp.load_state_dict got the entries {sorted(state_dict)}, but"
+            f" amp.initialize was called with num_losses={len(state.scalers)}, which"
+            f" expects {want}.")
+    entries = []
+    for key, scaler in zip(want, state.scalers):
+        entry = state_dict[key]
+        if isinstance(entry, Mapping) and "loss_scale" in entry:  # apex's format
+            entry = {"scale": entry["loss_scale"],
+                     "growth_factor": scaler.get_growth_factor(),
+                     "backoff_factor": scaler.get_backoff_factor(),
+                     "growth_interval": scaler.get_growth_interval(),
+                     "_growth_tracker": entry.get("unskipped", 0)}
+        entries.append(entry)
+    # Check every entry on a scratch scaler first, so a bad one loads nothing.
+    for key, entry, scaler in zip(want, entries, state.scalers):
+        if scaler.is_enabled():
+            try:
+                GradScaler().load_state_dict(entry)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"amp.load_state_dict: entry {key!r}: {exc}") from None
+    for entry, scaler in zip(entries, state.scalers):
+        scaler.load_state_dict(entry)
