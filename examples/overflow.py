@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
