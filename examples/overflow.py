@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plant an inf/NaN in one AMP step and trace the forward pass:"
                              " 'overflow' feeds the last layer inf inputs, so that its"
                              " outputs overflow; 'nan' puts a NaN in one input sample"
-                             " (BatchNorm's running statistics take it in too)")
+                             " (BatchNorm's running statistics take it in too). The"
+                             " tracing slows the AMP run's samples/s a little")
     parser.add_argument("--plant-step", type=int, default=None,
                         help="the step to plant it at (default: the middle step)")
 
