@@ -1,6 +1,7 @@
 # unified_amp: one virtual environment per backend, made on first use and then reused.
 #   make test   - set up both environments and run the whole suite on both backends
 #   make demo   - train the example CNN, fp32 vs AMP, on $UNIFIED_AMP_BACKEND (default torch)
+#                 (DEMO_ARGS="--plant overflow" plants an overflow and prints why it skipped)
 #   make bench  - the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick for a smoke run)
 SHELL := /bin/bash
 
@@ -13,6 +14,7 @@ VENV_megengine := .venv-megengine
 BACKEND := $(or $(UNIFIED_AMP_BACKEND),torch)
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+DEMO_ARGS ?=
 LOGDIR := .test-logs
 
 # pip's local mirrors print a warning for every package they don't carry; keep the noise out.
@@ -52,7 +54,7 @@ test: $(VENV_torch)/.ready $(VENV_megengine)/.ready
 	exit $$status
 
 demo: $(VENV_$(BACKEND))/.ready
-	UNIFIED_AMP_BACKEND=$(BACKEND) $(VENV_$(BACKEND))/bin/python -m examples.cnn_classifier --demo
+	UNIFIED_AMP_BACKEND=$(BACKEND) $(VENV_$(BACKEND))/bin/python -m examples.cnn_classifier --demo $(DEMO_ARGS)
 
 bench: $(VENV_$(BACKEND))/.ready
 	UNIFIED_AMP_BACKEND=$(BACKEND) $(VENV_$(BACKEND))/bin/python -m benchmarks.bench $(BENCH_ARGS)

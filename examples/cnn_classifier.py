@@ -7,6 +7,7 @@ loss and optimizer come from ``examples.frameworks`` for the active backend.
 
     UNIFIED_AMP_BACKEND=torch python -m examples.cnn_classifier             # AMP
     UNIFIED_AMP_BACKEND=megengine python -m examples.cnn_classifier --demo  # fp32 vs AMP
+    python -m examples.cnn_classifier --plant overflow   # a skipped step, explained
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 import unified_amp as amp
 
-from . import frameworks
+from . import frameworks, overflow
 
 CLASSES = ("horizontal", "vertical", "diagonal", "anti-diagonal")
 
@@ -94,7 +95,8 @@ def evaluate(fw: Any, model: Any, images: np.ndarray, labels: np.ndarray,
 def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 150,
           batch_size: int = 64, train_size: int = 2048, test_size: int = 1000,
           image_size: int = 16, width: int = 8, noise: float = 1.0, lr: float = 3e-3,
-          seed: int = 0, progress: bool = False, desc: str = "") -> dict[str, Any]:
+          seed: int = 0, progress: bool = False, desc: str = "",
+          plant: str | None = None, plant_step: int | None = None) -> dict[str, Any]:
     """Trains the CNN classifier on the active backend and evaluates it on held-out data.
 
     Args:
@@ -103,6 +105,9 @@ def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 15
         dtype: the autocast dtype ("float16", "bfloat16"); None is the device's default.
         progress: show a tqdm bar with the running loss.
         desc: the progress bar's label.
+        plant: "overflow" or "nan" plants that inf/NaN source (``examples.overflow``)
+            in step ``plant_step`` (default: the middle one) of an AMP run, with
+            forward tracing on; each skipped step prints its report.
         The others: data, model and optimizer sizes; ``seed`` fixes data and weights.
 
     Returns:
@@ -119,20 +124,27 @@ def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 15
     model = fw.cnn(len(CLASSES), width, image_size)
     optimizer = fw.adam(model.parameters(), lr=lr)
     gm = amp.GradManager(model.parameters())
-    scaler = amp.GradScaler(enabled=amp_enabled)
+    scaler = amp.GradScaler(enabled=amp_enabled).watch(model)  # names in overflow reports
     precision = amp.autocast(enabled=amp_enabled, dtype=dtype)
+    plant = plant if amp_enabled else None  # an fp32 run has no scaler to skip the step
+    plant_step = steps // 2 if plant_step is None else plant_step
 
     order = np.concatenate([rng.permutation(train_size)
                             for _ in range(steps * batch_size // train_size + 1)])
     losses = []
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=True)
+    skips = overflow.SkipPrinter(scaler, tqdm.write)
     start = time.perf_counter()
-    for i in bar:
-        idx = order[i * batch_size:(i + 1) * batch_size]
-        loss = train_step(model, gm, optimizer, scaler, fw.cross_entropy,
-                          fw.tensor(train_x[idx]), fw.labels(train_y[idx]), precision)
-        losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+    with overflow.Planter(plant, plant_step, model[-1]) as planter, \
+            overflow.tracing(model, on=plant is not None):
+        for i in bar:
+            idx = order[i * batch_size:(i + 1) * batch_size]
+            images = planter.batch(i, train_x[idx])
+            loss = train_step(model, gm, optimizer, scaler, fw.cross_entropy,
+                              fw.tensor(images), fw.labels(train_y[idx]), precision)
+            losses.append(loss)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            skips.after_step()
     elapsed = time.perf_counter() - start
     bar.close()
 
@@ -193,6 +205,7 @@ def parse_args(argv: list[str] | None, description: str = __doc__,
                             " torch/CPU, float16 on MegEngine/CPU)")
         p.add_argument("--demo", action="store_true",
                        help="train in fp32 and then in AMP on the same data, and compare")
+        overflow.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -203,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = dict(dtype=args.dtype, steps=args.steps, batch_size=args.batch_size,
                   train_size=args.train_size, test_size=args.test_size,
                   image_size=args.image_size, width=args.width, noise=args.noise,
-                  lr=args.lr, seed=args.seed, progress=not args.no_progress)
+                  lr=args.lr, seed=args.seed, progress=not args.no_progress,
+                  plant=args.plant, plant_step=args.plant_step)
     backend = amp.get_backend().name
     print(f"cnn_classifier on {backend}: {len(CLASSES)} classes of {args.image_size}x"
           f"{args.image_size} bar images, {args.train_size} for training,"
@@ -216,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                for name, on in runs.items()}
     print()
     print_table(results)
+    last = overflow.summary(results["AMP"]["scaler"])
+    if last is not None:
+        print(f"\nLast skipped step, as the scaler explains it:\n  {last}")
     if args.demo and results["AMP"]["samples_per_s"] < results["fp32"]["samples_per_s"]:
         low = results["AMP"]["compute_dtype"]
         print(f"\nAMP is slower than fp32 here: on this device and at this model size,"
