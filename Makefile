@@ -4,6 +4,8 @@
 #   make test-oldest           the suite on the oldest supported torch (a ~2.5 GB CUDA build)
 #   make demo                  fp32 vs AMP on scikit-learn's digits, on $UNIFIED_AMP_BACKEND
 #                              (default torch); writes demo-output/<backend>-curves.png
+#                              (DEMO_ARGS="--plant overflow" plants an overflow and prints
+#                              why the step was skipped)
 #   make bench                 the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick)
 #   make typecheck             mypy on unified_amp/ (in .venv-torch)
 #   make clean                 remove the environments and what the targets wrote

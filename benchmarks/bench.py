@@ -9,9 +9,10 @@ For a ResNet-style conv net and a transformer block, on the backend named by
 2. peak memory of each, where the framework reports one;
 3. overhead ratios, interleaved round by round on the same model and data: unified_amp's
    AMP step against the framework's own; only the GradScaler class swapped (the
-   drop-in); only the autocast swapped; and the native step with the float32 casts of
+   drop-in); only the autocast swapped; the native step with the float32 casts of
    unified_amp's dtype contract written by hand, which separates the cost of those
-   casts from unified_amp's own;
+   casts from unified_amp's own; and the unified step with overflow forensics, with
+   forward tracing on and off;
 4. apex's opt levels O0-O3 (``amp.initialize`` + ``amp.scale_loss``), interleaved, each
    on its own copy of the model: step time, the bytes of weights + master weights +
    optimizer state, and peak memory where the framework reports one, as ratios to O0.
@@ -35,7 +36,7 @@ import unified_amp as amp
 
 from . import report
 from .common import SCHEDULE, SIZES, TARGET, WORKLOADS, lookup
-from .steps import apex_step, precision_supported, unified_step
+from .steps import apex_step, forensics_step, precision_supported, unified_step
 from .timing import interleaved, round_ratios, spread
 
 PRECISIONS = (None, "float16", "bfloat16")  # None: the float32 baseline
@@ -185,6 +186,8 @@ RATIOS = (
     ("autocast_only", "autocast_only", "native"),
     ("contract_cost", "native_contract", "native"),
     ("unified_same_dtypes", "unified", "native_contract"),
+    ("trace_on", "traced", "unified"),
+    ("trace_off", "watched", "unified"),
 )
 
 
@@ -205,6 +208,8 @@ def overhead(kit: Any, w: Any, gm: Any, dtype: str, sched: dict[str, int],
         "scaler_only": kit.native_step(w, dtype, scaler=amp.GradScaler(*scaler_args)),
         "autocast_only": kit.native_step(w, dtype, autocast=unified_autocast),
         "native_contract": kit.native_step(w, dtype, fp32_sensitive=True),
+        "traced": forensics_step(w, gm, dtype, kit.device, trace=True),
+        "watched": forensics_step(w, gm, dtype, kit.device, trace=False),
     }
     descriptions = {
         "native": kit.native_description,
@@ -217,6 +222,11 @@ def overhead(kit: Any, w: Any, gm: Any, dtype: str, sched: dict[str, int],
         "native_contract": "the native step, with the model casting to float32 by hand"
                            " where unified_amp's dtype contract does (the softmax input;"
                            " the global-pooling input)",
+        "traced": "the unified step with scaler.watch(model), inside"
+                  " `with amp.trace_forward(model):` (hooks installed and removed in each"
+                  " step)",
+        "watched": "the unified step with scaler.watch(model), after a trace of the model"
+                   " was started and stopped: forensics with tracing off",
     }
     failures = _first_steps(variants, kit, progress)
     if "native" in failures:
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     supported = 1 + sum(precision_supported(d, kit.device) is None for d in PRECISIONS[1:])
     per_pass = supported * (sched["warmup"] + sched["rounds"] * sched["steps"]
                             + (MEMORY_STEPS if measure_memory else 0))
-    per_overhead = 5 * (sched["warmup"] + sched["overhead_rounds"] * sched["overhead_steps"])
+    per_overhead = 7 * (sched["warmup"] + sched["overhead_rounds"] * sched["overhead_steps"])
     per_levels = len(OPT_LEVELS) * (sched["warmup"] + sched["rounds"] * sched["steps"]
                                     + (MEMORY_STEPS if measure_memory else 0))
     sections = args.sections

@@ -12,7 +12,7 @@ from typing import Any
 
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # The ratios that measure unified_amp's own cost, held to the target; the others explain.
-TARGETED = ("unified", "scaler_only", "unified_same_dtypes")
+TARGETED = ("unified", "scaler_only", "unified_same_dtypes", "trace_off")
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
 
 
@@ -265,7 +265,7 @@ def _plot_throughput(ax: Any, wname: str, w: dict[str, Any]) -> None:
 def _plot_overhead(ax: Any, result: dict[str, Any]) -> None:
     workloads = result["workloads"]
     names = ("unified", "scaler_only", "autocast_only", "contract_cost",
-             "unified_same_dtypes")
+             "unified_same_dtypes", "trace_on", "trace_off")
     width = 0.8 / len(names)
     ratios = []
     for i, w in enumerate(workloads.values()):

@@ -35,6 +35,29 @@ def unified_step(w: Workload, gm: amp.GradManager, dtype: str | None,
     return step, scaler
 
 
+def forensics_step(w: Workload, gm: amp.GradManager, dtype: str, device: str, *,
+                   trace: bool) -> Callable[[], Any]:
+    """The unified step with overflow forensics on: a scaler that watches the model.
+
+    ``trace=True`` traces each step's forward pass (``amp.trace_forward``), installing
+    and removing the hooks inside the step, so the figure includes that too (an upper
+    bound for a trace held across steps). ``trace=False`` starts and stops a trace once
+    beforehand: what tracing leaves behind when off -- no hook -- costs nothing.
+    """
+    step, scaler = unified_step(w, gm, dtype, device)
+    scaler.watch(w.model)
+    tracer = amp.trace_forward(w.model)
+    if not trace:
+        tracer.start().stop()
+        return step
+
+    def traced_step() -> Any:
+        with tracer:
+            return step()
+
+    return traced_step
+
+
 def apex_step(w: Workload, gm: amp.GradManager) -> Callable[[], Any]:
     """One apex-style step of ``w`` after ``amp.initialize``: forward, loss,
     ``scale_loss`` + ``gm.backward``, the optimizer's step (skipped on overflow)."""

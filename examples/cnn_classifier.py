@@ -13,11 +13,13 @@ as a ratio measured in one run.
 
     UNIFIED_AMP_BACKEND=torch python -m examples.cnn_classifier             # AMP
     UNIFIED_AMP_BACKEND=megengine python -m examples.cnn_classifier --demo  # fp32 vs AMP
+    python -m examples.cnn_classifier --plant overflow   # a skipped step, explained
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ from tqdm import tqdm
 
 import unified_amp as amp
 
-from . import frameworks
+from . import frameworks, overflow
 
 NUM_CLASSES = 10
 IMAGE_SIZE = 8
@@ -111,6 +113,8 @@ class _Run:
     optimizer: Any
     scaler: amp.GradScaler
     precision: amp.autocast
+    planter: overflow.Planter
+    skips: overflow.SkipPrinter
     losses: list[float] = field(default_factory=list)
     accuracies: list[float] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
@@ -120,7 +124,8 @@ class _Run:
 def train_runs(runs: dict[str, bool], *, dtype: str | None = None, epochs: int = 30,
                batch_size: int = 64, train_size: int | None = None, width: int = 16,
                lr: float = 3e-3, seed: int = 0, progress: bool = False,
-               data: tuple[np.ndarray, ...] | None = None) -> dict[str, dict[str, Any]]:
+               data: tuple[np.ndarray, ...] | None = None, plant: str | None = None,
+               plant_step: int | None = None) -> dict[str, dict[str, Any]]:
     """Trains one model per entry of ``runs`` (name -> AMP on?) on the digits, in turn.
 
     Every run starts from the same weights and sees the same batches. Each epoch, each
@@ -136,6 +141,10 @@ def train_runs(runs: dict[str, bool], *, dtype: str | None = None, epochs: int =
         train_size: use only the first ``train_size`` training images (None: all).
         progress: show a tqdm bar with the running losses.
         data: ``load_digits(seed=seed)``'s result, if the caller has it already.
+        plant: "overflow" or "nan" plants that inf/NaN source (``examples.overflow``)
+            in step ``plant_step`` (counted from 0 over all epochs; default: the middle
+            one) of every AMP run, with forward tracing on; each skipped step prints
+            its report.
         The others: batch, model width, Adam's learning rate; ``seed`` fixes the split,
         the weights and the batch order.
 
@@ -155,39 +164,54 @@ def train_runs(runs: dict[str, bool], *, dtype: str | None = None, epochs: int =
         train_x, train_y = train_x[:train_size], train_y[:train_size]
     steps_per_epoch = max(1, len(train_x) // batch_size)  # full batches only
 
+    if plant_step is None:
+        plant_step = epochs * steps_per_epoch // 2
     state: dict[str, _Run] = {}
     for name, amp_enabled in runs.items():
         fw.seed(seed)  # the same initial weights for every run
         model = fw.cnn(NUM_CLASSES, width, IMAGE_SIZE)
+        scaler = amp.GradScaler(enabled=amp_enabled).watch(model)  # names in reports
+        # An fp32 run has no scaler to skip the step: plant in AMP runs only.
+        planted = plant if amp_enabled else None
         state[name] = _Run(model=model, gm=amp.GradManager(model.parameters()),
-                           optimizer=fw.adam(model.parameters(), lr=lr),
-                           scaler=amp.GradScaler(enabled=amp_enabled),
-                           precision=amp.autocast(enabled=amp_enabled, dtype=dtype))
+                           optimizer=fw.adam(model.parameters(), lr=lr), scaler=scaler,
+                           precision=amp.autocast(enabled=amp_enabled, dtype=dtype),
+                           planter=overflow.Planter(planted, plant_step, model[-1]),
+                           skips=overflow.SkipPrinter(scaler, tqdm.write))
 
     rng = np.random.default_rng(seed)
     names = list(state)
     bar = tqdm(total=epochs * steps_per_epoch * len(names), disable=not progress,
                desc=f"{amp.get_backend().name} digits", unit="step", leave=True)
-    for epoch in range(epochs):
-        order = rng.permutation(len(train_x))
-        batches = [(fw.tensor(train_x[idx]), fw.labels(train_y[idx]))
-                   for idx in np.split(order[:steps_per_epoch * batch_size],
-                                       steps_per_epoch)]
-        for name in names[epoch % len(names):] + names[:epoch % len(names)]:
-            run = state[name]
-            start = time.perf_counter()
-            for images, labels in batches:
-                run.losses.append(train_step(run.model, run.gm, run.optimizer,
-                                             run.scaler, fw.cross_entropy, images,
-                                             labels, run.precision))
-                bar.update()
-            run.epoch_seconds.append(time.perf_counter() - start)
+    with contextlib.ExitStack() as stack:
         for run in state.values():
-            accuracy, run.compute_dtype = evaluate(fw, run.model, test_x, test_y,
-                                                   run.precision)
-            run.accuracies.append(accuracy)
-        bar.set_postfix({f"{n} acc": f"{100 * state[n].accuracies[-1]:.1f}%"
-                         for n in names})
+            stack.enter_context(run.planter)
+            stack.enter_context(overflow.tracing(run.model,
+                                                 on=run.planter.kind is not None))
+        for epoch in range(epochs):
+            order = rng.permutation(len(train_x))
+            batches = [(train_x[idx], fw.tensor(train_x[idx]), fw.labels(train_y[idx]))
+                       for idx in np.split(order[:steps_per_epoch * batch_size],
+                                           steps_per_epoch)]
+            for name in names[epoch % len(names):] + names[:epoch % len(names)]:
+                run = state[name]
+                start = time.perf_counter()
+                for j, (array, images, labels) in enumerate(batches):
+                    planted = run.planter.batch(epoch * steps_per_epoch + j, array)
+                    if planted is not array:
+                        images = fw.tensor(planted)
+                    run.losses.append(train_step(run.model, run.gm, run.optimizer,
+                                                 run.scaler, fw.cross_entropy, images,
+                                                 labels, run.precision))
+                    run.skips.after_step()
+                    bar.update()
+                run.epoch_seconds.append(time.perf_counter() - start)
+            for run in state.values():
+                accuracy, run.compute_dtype = evaluate(fw, run.model, test_x, test_y,
+                                                       run.precision)
+                run.accuracies.append(accuracy)
+            bar.set_postfix({f"{n} acc": f"{100 * state[n].accuracies[-1]:.1f}%"
+                             for n in names})
     bar.close()
 
     results = {}
@@ -339,6 +363,7 @@ def parse_args(argv: list[str] | None, description: str = __doc__,
                        help="train in fp32 and in AMP, in turn, and compare")
         p.add_argument("--plot", type=Path, default=None,
                        help="with --demo: save the loss and accuracy curves to this PNG")
+        overflow.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -359,10 +384,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = train_runs(runs, dtype=args.dtype, epochs=args.epochs,
                          batch_size=args.batch_size, train_size=args.train_size,
                          width=args.width, lr=args.lr, seed=args.seed,
-                         progress=not args.no_progress, data=data)
+                         progress=not args.no_progress, data=data, plant=args.plant,
+                         plant_step=args.plant_step)
     data = results[next(iter(results))]["data"]
     print(f"\n{data['train']} training images, {data['test']} held out\n")
     print_table(results)
+    last = overflow.summary(results["AMP"]["scaler"])
+    if last is not None:
+        print(f"\nLast skipped step, as the scaler explains it:\n  {last}")
     if not args.demo:
         return results["AMP"]
     print()

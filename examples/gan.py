@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import unified_amp as amp
 
-from . import frameworks
+from . import frameworks, overflow
 
 
 def mode_centres(modes: int, radius: float) -> np.ndarray:
@@ -119,7 +119,8 @@ def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 10
     opt_d = fw.adam(discriminator.parameters(), lr=lr, betas=(0.5, 0.999))
     gm_g = amp.GradManager(generator.parameters())
     gm_d = amp.GradManager(discriminator.parameters())
-    scaler = amp.GradScaler(enabled=amp_enabled)
+    # One scaler for both models: overflow reports name either's parameters.
+    scaler = amp.GradScaler(enabled=amp_enabled).watch(generator).watch(discriminator)
     precision = amp.autocast(enabled=amp_enabled, dtype=dtype)
 
     probe = fw.tensor(rng.normal(size=(1000, noise_dim)))
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f" {r['modes_after']} of {args.modes}")
     print(f"  scaler: {s['steps']} updates for {args.steps} iterations,"
           f" {s['skipped_steps']} with an overflow, final scale {s['scale']:g}")
+    if overflow.summary(s):
+        print(f"  last overflow: {overflow.summary(s)}")
     return r
 
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 import unified_amp as amp
 
-from . import frameworks
+from . import frameworks, overflow
 
 
 def make_problem(n: int, features: int, classes: int, rng: np.random.Generator
@@ -98,7 +98,7 @@ def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 20
     model = fw.mlp([features, hidden, hidden, classes])
     optimizer = fw.sgd(model.parameters(), lr=lr, momentum=0.9)
     gm = amp.GradManager(model.parameters())
-    scaler = amp.GradScaler(enabled=amp_enabled)
+    scaler = amp.GradScaler(enabled=amp_enabled).watch(model)  # names in overflow reports
     precision = amp.autocast(enabled=amp_enabled, dtype=dtype)
 
     batch = micro_batches * micro_batch_size
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  gradient norm clipped to {args.max_norm} in {clipped} of {args.steps} steps")
     print(f"  scaler: {s['steps']} updates, {s['skipped_steps']} skipped,"
           f" final scale {s['scale']:g}")
+    if overflow.summary(s):
+        print(f"  last overflow: {overflow.summary(s)}")
     return r
 
 

@@ -7,3 +7,10 @@ from hypothesis import settings
 settings.register_profile("unified_amp", derandomize=True, database=None, deadline=None,
                           max_examples=40)
 settings.load_profile("unified_amp")
+
+
+def pytest_configure(config):
+    # Many tests plant long runs of overflows on purpose; the tests of the warning
+    # itself (test_forensics_*.py) record it with their own filters.
+    config.addinivalue_line("filterwarnings",
+                            "ignore::unified_amp.forensics.OverflowWarning")

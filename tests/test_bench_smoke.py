@@ -32,7 +32,7 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path):
         assert variants["float16"]["scaler"]["steps"] > 0
         overhead = workload["overhead"]
         assert overhead["failed"] == {}
-        for ratio in ("unified", "scaler_only"):
+        for ratio in ("unified", "scaler_only", "trace_on", "trace_off"):
             assert 0.2 < overhead["ratios"][ratio]["median"] < 5.0
         levels = workload["opt_levels"]["levels"]
         assert list(levels) == ["O0", "O1", "O2", "O3"]

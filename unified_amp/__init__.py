@@ -26,6 +26,7 @@ from .errors import (
     UnknownBackendError,
     UnsupportedPrecisionError,
 )
+from .forensics import OverflowReport, OverflowWarning, trace_forward
 from .grad import GradManager, clip_grad_norm
 from .opt_levels import (
     OptProperties,
@@ -55,6 +56,9 @@ __all__ = [
     "loss_scaler",
     "opt_properties",
     "OptProperties",
+    "trace_forward",
+    "OverflowReport",
+    "OverflowWarning",
     "set_backend",
     "get_backend",
     "available_backends",

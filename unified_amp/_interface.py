@@ -153,6 +153,31 @@ class Backend(Protocol):
         """What ``optimizer.step()`` returns when amp skips it: what a real step returns
         where that does not depend on the step (MegEngine: the optimizer, for chaining)."""
 
+    # -- overflow forensics (forensics.py): never on a clean step ----------------------
+    # (and ``is_module`` above)
+    def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
+        """(inf elements, NaN elements) of each tensor, read back in one host sync.
+        Called only after a fused check found an inf/NaN."""
+
+    def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:
+        """A device-side flag: whether ``tensor`` is all finite (``per_row``: one flag
+        per index of its first dimension). No host sync; used by forward tracing."""
+
+    def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
+        """Reads flags from ``finite_flag`` in one host sync: for each, a list of bools
+        (one element for a whole-tensor flag)."""
+
+    def named_modules(self, model: Any) -> list[tuple[str, Any]]:
+        """(dotted name, module) for ``model`` ("") and every submodule, each once."""
+
+    def named_parameters(self, model: Any) -> list[tuple[str, Any]]:
+        """(dotted name, parameter) for every parameter of ``model``."""
+
+    def add_forward_hook(self, module: Any, hook: Any, pre: bool = False) -> Any:
+        """Registers ``hook(module, inputs, outputs)`` to run after ``module``'s forward
+        (``pre``: ``hook(module, inputs)`` before it); returns a handle whose
+        ``remove()`` takes it off again."""
+
     # -- optional primitives (the core asks with getattr and copes without) -------------
     # ``grad_version(grad) -> int``: a counter every in-place write to ``grad`` bumps
     #   (torch's ``_version``); lets the scaler's ledger tell new gradient generations

@@ -32,15 +32,19 @@ class Check:
     ``flag`` is the adapter's device-side flag (None when there were no gradients);
     ``found`` is the host verdict once read (None while unread). ``pending`` is the
     handle of a cross-rank all-reduce still running on ``flag`` (see distributed.py),
-    waited for before the flag is first used.
+    waited for before the flag is first used. ``on_overflow`` runs once if the read
+    finds an inf/NaN (the overflow report, forensics.py); it is dropped unrun once the
+    verdict is known, so a clean check costs nothing more.
     """
 
-    __slots__ = ("flag", "found", "pending", "__weakref__")
+    __slots__ = ("flag", "found", "pending", "on_overflow", "__weakref__")
 
-    def __init__(self, flag: Any, found: bool | None, pending: Any = None) -> None:
+    def __init__(self, flag: Any, found: bool | None, pending: Any = None,
+                 on_overflow: Callable[[], None] | None = None) -> None:
         self.flag = flag
         self.found = found
         self.pending = pending
+        self.on_overflow = on_overflow
 
     def ready(self) -> Any:
         """The flag, once any all-reduce on it has completed (on a GPU this orders the
@@ -54,6 +58,9 @@ class Check:
         """The host verdict, reading the flag (a host sync) the first time only."""
         if self.found is None:
             self.found = bool(read(self.ready()))
+            hook, self.on_overflow = self.on_overflow, None
+            if self.found and hook is not None:
+                hook()  # before anyone drops the gradients it describes
         return self.found
 
 

@@ -39,6 +39,7 @@ from typing import Any, overload
 
 from . import distributed
 from ._ledger import Check, GradLedger
+from .forensics import Forensics, OverflowReport
 from ._registry import get_backend
 from ._targets import is_optimizer, params_of
 
@@ -281,6 +282,7 @@ class GradScaler:
         self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
         self._ledger = GradLedger()
         self._updated_by_backward = False  # the last update() was backward()'s own
+        self._forensics = Forensics(self)  # overflow reports (forensics.py)
         # optimizer id -> the checks behind its last step after backward()'s update()
         self._tail: dict[int, list[Check]] = {}
         self._new_iteration()
@@ -301,6 +303,7 @@ class GradScaler:
         self._handed_watched = False
         self._handed_blind = False
         self._saw_backward = False
+        self._forensics.end_iteration()
 
     def _opt_state(self, optimizer: Any) -> _OptState:
         state = self._opt_states.get(id(optimizer))
@@ -402,6 +405,8 @@ class GradScaler:
             self._ledger.record(list(idle), check, self._version)
         else:
             check = Check(None, False) if flag is None else Check(flag, None)
+        if check.found is None:
+            check.on_overflow = self._forensics.hook(params)
         if read:
             check.verdict(self._read)  # the one sync
         self._checks.append(check)
@@ -453,6 +458,7 @@ class GradScaler:
         """``outputs`` (a tensor, or a list/tuple of tensors) times the current scale."""
         if not self._enabled:
             return outputs
+        self._forensics.saw_loss(outputs)
         backend = self._be()
         watch = getattr(backend, "watch_backward", None)
 
@@ -528,6 +534,7 @@ class GradScaler:
         self._ledger.forget([p for p in gm.attached_tensors() if p is not None])
         self._ledger.new_backward()
         self._handed_blind = True
+        self._forensics.saw_loss(ys)
         gm.backward(ys, cotangents)
         if unscale_grad:
             self.unscale(gm)
@@ -696,6 +703,8 @@ class GradScaler:
                 self._steps += 1
             found_host = any(c.found is True for c in self._checks)
             flags = [c.ready() for c in self._checks if c.found is None]
+            for c in self._checks:
+                c.on_overflow = None  # never read on the host, so never reported
             self._dev.update(found_host, flags, self._growth_factor,
                              self._backoff_factor, self._growth_interval,
                              steps=self._steps, count=checked, new_scale=new_scale)
@@ -728,6 +737,7 @@ class GradScaler:
         self._skipped_steps += int(skipped)
         self._last_step_skipped = skipped
         self._as_of_step = self._steps
+        self._forensics.counted(skipped, self._scale_value, self._steps)
 
     def _set_scale(self, value: float) -> None:
         self._scale_value = value
@@ -804,7 +814,46 @@ class GradScaler:
             "last_step_skipped": self._last_step_skipped,
             "enabled": self._enabled,
             "as_of_step": self._as_of_step,
+            "overflows": self._forensics.history_dicts(),
         }
+
+    # -- overflow forensics (forensics.py) ------------------------------------------------
+    def watch(self, model: Any = None, *, warn_after: int = 10, warn_below: float = 1.0,
+              history: int = 16) -> "GradScaler":
+        """Names ``model``'s parameters in overflow reports, and sets when a run of
+        skipped steps warns. Installs no hook; costs nothing on a clean step.
+
+        Every step that a gradient check skips gets a report (``last_overflow()``,
+        ``stats()["overflows"]``), with or without ``watch``; unwatched, gradients are
+        named by position. ``amp.trace_forward(model)`` adds the first non-finite
+        module of the forward pass.
+
+        Args:
+            model: a module of the active framework (``torch.nn.Module``,
+                ``megengine.module.Module``); None changes only the settings below.
+            warn_after: skipped steps in a row after which one ``amp.OverflowWarning``
+                is raised for that run of skips.
+            warn_below: a loss scale below which a run of skips warns at once
+                (0 turns the floor off).
+            history: how many reports ``stats()["overflows"]`` keeps (the newest).
+
+        Returns:
+            self, so that ``scaler = amp.GradScaler().watch(model)`` reads naturally.
+
+        Raises:
+            TypeError: ``model`` is not a module (``model.parameters()`` is not one).
+            ValueError: a setting out of range.
+        """
+        self._forensics.watch(model, warn_after, warn_below, history)
+        return self
+
+    def last_overflow(self) -> OverflowReport | None:
+        """The report of the newest gradient check that found an inf/NaN, or None.
+
+        ``str(report)`` is one line: step, scale, loss, which gradients were inf or
+        NaN, and the likely cause; ``report.as_dict()`` is the same as plain data.
+        """
+        return self._forensics.last
 
     def get_growth_factor(self) -> float:
         return self._growth_factor
@@ -906,12 +955,15 @@ class GradScaler:
         state["_backend"] = None  # re-resolved on first use after unpickling
         state["_dev"] = None  # device tensors are remade at the next fused step
         state["_ledger"] = GradLedger()  # it refers to live tensors, weakly
+        state["_forensics"] = None  # it refers to models; watch() again after loading
         state["_process_group"] = None  # a live communicator; give it again after loading
         state["_tail"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if self.__dict__.get("_forensics") is None:
+            self._forensics = Forensics(self)
 
     def __repr__(self) -> str:
         return (

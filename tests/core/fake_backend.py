@@ -1,6 +1,7 @@
 """A tiny framework-free backend: tensors are lists of floats. It lets the core (registry,
-autocast, GradManager, GradScaler) be tested without torch or MegEngine, and counts the
-device-to-host syncs the core asks for."""
+autocast, GradManager, GradScaler, forensics) be tested without torch or MegEngine, and
+counts the device-to-host syncs the core asks for: ``syncs`` for the scaler's flag reads,
+``forensic_reads`` and ``flags_made`` for the overflow forensics."""
 
 from __future__ import annotations
 
@@ -54,6 +55,70 @@ def linear_loss(params, coeffs):
     """A scalar 'loss' = sum_i coeffs[i] . params[i], with its derivative recorded."""
     total = sum(c * v for p, cs in zip(params, coeffs) for c, v in zip(cs, p.values))
     return FakeTensor([total], deps=list(zip(params, coeffs)))
+
+
+class _Handle:
+    def __init__(self, hooks, key):
+        self.hooks, self.key = hooks, key
+
+    def remove(self):
+        self.hooks.pop(self.key, None)
+
+
+class NamedModule:
+    """A module with named children and parameters, calling forward hooks as torch's and
+    MegEngine's modules do (for the forensics tests).
+
+    ``NamedModule(scale=w)`` multiplies its input by a parameter ``weight`` = [w]; its
+    output is in the fake autocast dtype, and a float16 value past 65504 becomes inf.
+    ``NamedModule(**children)`` runs its children in order.
+    """
+
+    _next_key = 0
+
+    def __init__(self, scale=None, backend=None, **children):
+        self.children = children
+        self.weight = None if scale is None else FakeTensor([scale])
+        self.backend = backend
+        self._forward_hooks, self._forward_pre_hooks = {}, {}
+
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for name, child in self.children.items():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def named_parameters(self):
+        for name, module in self.named_modules():
+            if module.weight is not None:
+                yield (f"{name}.weight" if name else "weight"), module.weight
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def _hook(self, hooks, hook):
+        NamedModule._next_key += 1
+        hooks[NamedModule._next_key] = hook
+        return _Handle(hooks, NamedModule._next_key)
+
+    def forward(self, x):
+        if self.weight is None:
+            for child in self.children.values():
+                x = child(x)
+            return x
+        enabled, dtype = self.backend.autocast_state[-1] if self.backend else (False, None)
+        dtype = (dtype or "float16") if enabled else "float32"
+        values = [v * self.weight.values[0] for v in x.values]
+        if dtype == "float16":
+            values = [math.copysign(math.inf, v) if abs(v) > 65504 else v for v in values]
+        return FakeTensor(values, dtype)
+
+    def __call__(self, x):
+        for hook in list(self._forward_pre_hooks.values()):
+            hook(self, (x,))
+        out = self.forward(x)
+        for hook in list(self._forward_hooks.values()):
+            hook(self, (x,), out)
+        return out
 
 
 class FakeOptimizer:
@@ -167,6 +232,8 @@ class FakeBackend:
 
     def __init__(self):
         self.syncs = 0
+        self.forensic_reads = 0
+        self.flags_made = 0
         self.autocast_state = [(False, None)]  # (enabled, dtype), innermost last
         self.refuse = {"bfloat16"}
         self.low_bn = True  # batch norm may hold low-precision weights
@@ -234,9 +301,34 @@ class FakeBackend:
         self.syncs += 1
         return flag["found"]
 
+    # -- overflow forensics ----------------------------------------------------------
+    def nonfinite_counts(self, tensors):
+        self.forensic_reads += 1
+        return [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
+                for t in tensors]
+
+    def finite_flag(self, tensor, per_row=False):
+        self.flags_made += 1
+        if per_row:  # a FakeTensor is one row per value
+            return [math.isfinite(v) for v in tensor.values]
+        return [all(math.isfinite(v) for v in tensor.values)]
+
+    def read_finite_flags(self, flags):
+        self.forensic_reads += 1
+        return [list(f) for f in flags]
+
+    def named_modules(self, model):
+        return list(model.named_modules())
+
+    def named_parameters(self, model):
+        return list(model.named_parameters())
+
+    def add_forward_hook(self, module, hook, pre=False):
+        return module._hook(module._forward_pre_hooks if pre else module._forward_hooks, hook)
+
     # -- opt levels ---------------------------------------------------------------------
     def is_module(self, obj):
-        return isinstance(obj, FakeModule)
+        return isinstance(obj, (FakeModule, NamedModule))
 
     def device_type(self, tensor):
         return "cpu"

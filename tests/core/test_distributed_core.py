@@ -332,3 +332,26 @@ def test_shardedgradscaler_call_form(backend, group):
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (4.0, 0.25)
     with pytest.raises(ValueError, match="growth_factor must be > 1.0"):
         amp.GradScaler("cpu", 2.0**8, 0.5, 2.0, 100, True, group)  # ShardedGradScaler's order
+
+
+def test_a_rank_skipping_for_another_ranks_overflow_says_so(backend, group):
+    """Forensics after an agreed skip: the overflowing rank names its gradient, the
+    other reports that none of its own was non-finite; neither adds a collective."""
+    def run(rank):
+        params = make_params("sharded")
+        gm, opt = amp.GradManager(params), FakeOptimizer(params)
+        scaler = amp.GradScaler(INIT)
+        with gm:
+            gm.backward(scaler.scale(linear_loss(
+                params, [[math.inf if rank == 0 else 1.0, 0.5], [0.25]])))
+        scaler.step(opt)
+        scaler.update()
+        report = scaler.last_overflow()
+        return report.cause, [g.name for g in report.gradients], report.line()
+
+    (cause0, names0, _), (cause1, names1, line1) = run_ranks(backend, run)
+    assert (cause0, names0, cause1, names1) == ("forward", ["param[0]"], "elsewhere", [])
+    assert line1.endswith("inf/NaN gradients in 0 of 2 parameters; no gradient here held"
+                          " inf/NaN: another process found one, and every rank skips"
+                          " together")
+    assert group.log[0] == group.log[1] == ["all_reduce"]

@@ -468,7 +468,8 @@ def test_stats_before_any_step():
         warnings.simplefilter("error")
         assert amp.GradScaler(init_scale=8.0).stats() == {
             "scale": 8.0, "growth_tracker": 0, "steps": 0, "skipped_steps": 0,
-            "last_step_skipped": False, "enabled": True, "as_of_step": 0}
+            "last_step_skipped": False, "enabled": True, "as_of_step": 0,
+            "overflows": []}
 
 
 # -- gradient generations ----------------------------------------------------------------

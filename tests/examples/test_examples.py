@@ -17,10 +17,10 @@ import pytest
 
 import unified_amp as amp
 from examples import (apex_style, cnn_classifier, fp32_baseline, frameworks, gan,
-                      grad_accumulation)
+                      grad_accumulation, overflow)
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline, apex_style)
+SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline, apex_style, overflow)
 # What autocast(dtype=None) means on CPU; float16 on CUDA, where the examples run if
 # the framework sees a GPU.
 CPU_DEFAULT_DTYPE = {"torch": "bfloat16", "megengine": "float16"}
@@ -82,7 +82,7 @@ def test_training_steps_are_written_once_in_framework_free_modules():
 
 def test_importing_the_examples_imports_no_framework():
     code = ("import sys, examples.cnn_classifier, examples.gan, examples.grad_accumulation,"
-            " examples.fp32_baseline, examples.apex_style\n"
+            " examples.fp32_baseline, examples.apex_style, examples.overflow\n"
             "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
@@ -153,6 +153,22 @@ def test_throughput_verdict_follows_from_the_quartiles(q1, q3, verdict):
     assert verdict in text
     assert f"quartiles {q1:.2f}-{q3:.2f}" in text
     assert sum(v in text for v in ("faster here", "slower here", "neither")) == 1
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("overflow", "first non-finite forward output: 9 (Linear, "),
+    ("nan", "the model's input holds inf/NaN in sample(s) 0: bad data, not precision"),
+])
+def test_cnn_planted_overflow_is_skipped_and_explained(capsys, kind, says):
+    r = cnn_classifier.main(["--epochs", "2", "--batch-size", "16", "--train-size", "48",
+                             "--width", "2", "--no-progress",
+                             "--plant", kind, "--plant-step", "3"])
+    out = capsys.readouterr().out
+    planted = [line for line in out.splitlines()
+               if line.startswith("unified_amp: step 4 skipped")]
+    assert len(planted) == 1 and says in planted[0], out
+    assert r["scaler"]["skipped_steps"] >= 1
+    assert "Last skipped step, as the scaler explains it:" in out
 
 
 def test_cnn_float16_on_request(fw):

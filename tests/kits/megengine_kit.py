@@ -129,6 +129,21 @@ class Kit(KitBase):
     def total(self, t):
         return t.sum()
 
+    def linear_model(self, layers, dev):
+        """``megengine.module.Sequential`` of ``Linear`` layers with the given (W, b)."""
+        modules = []
+        with _on(dev):
+            for w, b in layers:
+                linear = M.Linear(w.shape[1], w.shape[0])
+                linear.weight = self.param(w, dev)
+                linear.bias = self.param(b, dev)
+                modules.append(linear)
+            return M.Sequential(*modules)
+
+    def host_reads(self):
+        """The tensor methods that read values back to the host."""
+        return mge.Tensor, ("item", "tolist", "numpy")
+
     # -- apex-style models (amp.initialize) --------------------------------------------
     def apex_model(self, dev, seed=0, sizes=(4, 8, 3), batch_norm=True):
         """A small float32 module with batch norm; the same weights on both frameworks."""

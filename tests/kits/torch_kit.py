@@ -114,6 +114,21 @@ class Kit(KitBase):
     def total(self, t):
         return t.sum()
 
+    def linear_model(self, layers, dev):
+        """``torch.nn.Sequential`` of ``Linear`` layers with the given (W, b) arrays."""
+        modules = []
+        for w, b in layers:
+            linear = torch.nn.Linear(w.shape[1], w.shape[0])
+            with torch.no_grad():
+                linear.weight.copy_(self.tensor(w, "cpu"))
+                linear.bias.copy_(self.tensor(b, "cpu"))
+            modules.append(linear)
+        return torch.nn.Sequential(*modules).to(dev)
+
+    def host_reads(self):
+        """The tensor methods that read values back to the host."""
+        return torch.Tensor, ("item", "tolist", "numpy")
+
     # -- apex-style models (amp.initialize) --------------------------------------------
     def apex_model(self, dev, seed=0, sizes=(4, 8, 3), batch_norm=True):
         """A small float32 module with batch norm; the same weights on both frameworks."""
