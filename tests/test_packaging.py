@@ -46,7 +46,8 @@ def test_extras_are_ranges_and_the_pins_live_in_constraints():
 
 
 def _readme_example() -> str:
-    section = (ROOT / "README.md").read_text().split("## The same step on both frameworks")[1]
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The same step on both frameworks")[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -77,9 +78,9 @@ def test_wheel_installs_beside_the_framework_already_here_and_runs_the_readme(tm
     for name in ("pyproject.toml", "README.md"):
         (src / name).write_bytes((ROOT / name).read_bytes())
     subprocess.run(["cp", "-r", str(ROOT / "unified_amp"), str(src)], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                    "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(src)],
+                   check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("unified_amp-*.whl")
     top_level = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"unified_amp"}
