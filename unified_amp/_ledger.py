@@ -65,15 +65,21 @@ class Check:
 
 
 class _Record:
-    __slots__ = ("param", "grad", "version", "epoch", "check")
+    __slots__ = ("param", "grad", "version", "epoch", "iteration", "check")
 
     def __init__(self, param: Any, grad: Any, version: int | None, epoch: int,
-                 check: Check) -> None:
+                 iteration: int, check: Check) -> None:
         self.param = weakref.ref(param)
         self.grad = None if grad is None else weakref.ref(grad)  # None: we dropped it
         self.version = version
         self.epoch = epoch
+        self.iteration = iteration
         self.check = check
+
+
+# lookup()'s answer for a gradient that a backward pass accumulated into after it was
+# unscaled, in the same iteration: part unscaled, part scaled, so no unscale is right.
+MIXED = object()
 
 
 class GradLedger:
@@ -82,10 +88,17 @@ class GradLedger:
     def __init__(self) -> None:
         self._records: dict[int, _Record] = {}
         self.epoch = 0  # scaled backward passes seen (or announced) so far
+        self.iteration = 0  # the user's update() calls so far
 
     def new_backward(self) -> None:
         """A scaled backward pass ran, or is about to."""
         self.epoch += 1
+
+    def new_iteration(self) -> None:
+        """The user called update(): a backward the scaler could not see (MegEngine's
+        ``gm.backward(loss, dy=scale_factor)`` into gradients zeroed in place) may
+        follow, so records without a version counter stop speaking for their gradient."""
+        self.iteration += 1
 
     def forget(self, params: list[Any]) -> None:
         """Ends the records of ``params`` (a backward through them is about to run)."""
@@ -99,26 +112,39 @@ class GradLedger:
         for p in params:
             g = p.grad
             self._records[id(p)] = _Record(p, g, None if g is None else version(g),
-                                           self.epoch, check)
+                                           self.epoch, self.iteration, check)
 
-    def lookup(self, p: Any, version: Callable[[Any], int | None]) -> Check | None:
-        """The check that unscaled ``p``'s current gradient, or None if it is new."""
+    def lookup(self, p: Any, version: Callable[[Any], int | None]) -> Any:
+        """The check that unscaled ``p``'s current gradient; None if the gradient is a
+        new generation; ``MIXED`` if a backward accumulated into it since it was
+        unscaled in this iteration."""
         rec = self._records.get(id(p))
         if rec is None:
             return None
         g = p.grad
+        same_iteration = rec.iteration == self.iteration
         if rec.param() is not p:
-            valid = False
+            answer = None
         elif rec.grad is None:  # dropped on overflow: valid until the next backward
-            valid = g is None and rec.epoch == self.epoch
+            answer = rec.check if (g is None and rec.epoch == self.epoch
+                                   and same_iteration) else None
+        elif g is None or rec.grad() is not g:
+            answer = None  # another gradient object: a new generation
         else:
-            valid = g is not None and rec.grad() is g and (
-                rec.epoch == self.epoch
-                or (rec.version is not None and version(g) == rec.version))
-        if not valid:
-            del self._records[id(p)]
-            return None
-        return rec.check
+            if rec.version is not None:
+                # torch: written since iff the version moved -- after a scaled backward,
+                # or across an update() (a zero_grad(set_to_none=False) in between)
+                written = version(g) != rec.version and (
+                    rec.epoch != self.epoch or not same_iteration)
+            else:
+                written = rec.epoch != self.epoch or not same_iteration
+            if not written:
+                return rec.check
+            if same_iteration:
+                return MIXED  # kept: every later unscale of it must refuse too
+            answer = None
+        del self._records[id(p)]
+        return answer
 
     def prune(self) -> None:
         """Drops records whose parameter no longer exists."""

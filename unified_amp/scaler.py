@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
 from . import distributed
-from ._ledger import Check, GradLedger
+from ._ledger import MIXED, Check, GradLedger
 from .forensics import Forensics, OverflowReport
 from ._registry import get_backend
 from ._targets import is_optimizer, params_of
@@ -337,16 +337,27 @@ class GradScaler:
     def _split(self, params: list[Any]) -> tuple[list[Any], list[Check], list[Any]]:
         """``params`` with a gradient that still needs unscaling, the checks that
         already covered others (from the ledger), and the params with neither."""
-        pending, done, idle = [], {}, []
+        pending, done, idle, mixed = [], {}, [], 0
         version = self._version
         for p in params:
             check = self._ledger.lookup(p, version)
-            if check is not None:
+            if check is MIXED:
+                mixed += 1
+            elif check is not None:
                 done[id(check)] = check
             elif p.grad is not None:
                 pending.append(p)
             else:
                 idle.append(p)
+        if mixed:
+            raise RuntimeError(
+                f"{mixed} of the {len(params)} gradients were unscaled, then a backward"
+                f" pass added scaled gradients to them before update(): they now mix"
+                f" unscaled and scaled values, and no unscale can fix that. When"
+                f" accumulating micro-batches, unscale once, after the last backward (if"
+                f" you zeroed the gradients in place between iterations without calling"
+                f" update(), set them to None instead)."
+            )
         return pending, list(done.values()), idle
 
     def _require_scaled(self, what: str) -> None:
@@ -432,11 +443,13 @@ class GradScaler:
         pending, done, idle = self._split(params)
         if done:
             raise RuntimeError(
-                f"{what} has already been called on these gradients: no scaled backward"
-                f" pass has written them since they were unscaled. Unscaling twice would"
-                f" divide them by the scale twice. Unscale each set of gradients once,"
-                f" after all of its backward passes (scaler.backward(gm, loss) already"
-                f" unscales unless unscale_grad=False)."
+                f"{what} has already been called on these gradients: no backward pass"
+                f" the scaler could see (through scaler.scale() or scaler.backward()) has"
+                f" written them since they were unscaled. Unscaling twice would divide"
+                f" them by the scale twice. Unscale each set of gradients once, after all"
+                f" of its backward passes (scaler.backward(gm, loss) already unscales"
+                f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
+                f" gradients that were not cleared also adds to unscaled ones."
             )
         if pending:
             self._require_scaled(what)
@@ -539,7 +552,7 @@ class GradScaler:
         if unscale_grad:
             self.unscale(gm)
             if update_scale:
-                self.update()
+                self._update(None)  # not the user's: the ledger's iteration goes on
                 self._updated_by_backward = True
 
     def unscale(self, target: Any) -> "GradScaler":
@@ -693,6 +706,10 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        self._update(new_scale)
+        self._ledger.new_iteration()
+
+    def _update(self, new_scale: Any) -> None:
         if new_scale is not None:
             new_scale = self._valid_scale(new_scale, "update(new_scale=...)")
         elif not self._checks:

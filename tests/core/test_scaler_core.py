@@ -556,16 +556,38 @@ def test_a_replaced_gradient_is_a_new_generation(fake):
     assert params[1].grad.values == [1.0]
 
 
-def test_accumulating_into_unscaled_gradients_needs_a_new_scale(fake):
-    """The fake backend has no version counter (like MegEngine): a scale() handed out
-    after the unscale is what marks the gradients as a new generation."""
+def test_accumulating_into_unscaled_gradients_is_an_error(fake):
+    """Unscaling after every micro-batch: the second backward adds scaled gradients to
+    unscaled ones (the fake backend, like MegEngine, accumulates into the same object).
+    No unscale can be right, so it raises and changes nothing."""
     params, opt = make_model()
     scaler = amp.GradScaler(init_scale=4.0)
     gm = _scaled_backward_with(scaler, params, 1.0)
     scaler.unscale(gm)
     with gm:
         gm.backward(scaler.scale(linear_loss(params, [[1.0, 1.0], [1.0]])))
-    scaler.unscale(gm)  # allowed: new scaled backward
-    scaler.step(opt)
-    scaler.update()
-    assert scaler.stats()["steps"] == 1
+    assert params[1].grad.values == [1.0 + 4.0]
+    for call in (lambda: scaler.unscale(gm), lambda: scaler.step(opt)):
+        with pytest.raises(RuntimeError, match="mix unscaled and scaled values"):
+            call()
+    assert params[1].grad.values == [5.0] and opt.steps == 0
+
+
+def test_after_update_a_gradient_zeroed_in_place_is_a_new_generation(fake):
+    """megengine.amp's manual loop with opt.zero_grad() (in place) and
+    gm.backward(loss, dy=scale_factor): the scaler sees no backward, but the user's
+    update() ends the iteration, so the next unscale is allowed."""
+    params, opt = make_model()
+    scaler = amp.GradScaler(init_scale=4.0)
+    gm = amp.GradManager(params)
+    for _ in range(3):
+        with gm:
+            gm.backward(linear_loss(params, [[1.0, 1.0], [1.0]]),
+                        FakeTensor([scaler.scale_factor]))
+        scaler.unscale(gm)
+        assert params[1].grad.values == [1.0]
+        opt.step()
+        scaler.update()
+        for p in params:
+            p.grad.values = [0.0] * len(p.values)  # zeroed in place, same object
+    assert scaler.stats()["steps"] == 3

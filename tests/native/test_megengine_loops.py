@@ -128,3 +128,70 @@ def test_forgetting_to_scale_raises_on_megengine_too():
     with pytest.raises(RuntimeError, match="did not use scaler.scale"):
         scaler.unscale(gm.attached_tensors())
     assert all(np.array_equal(b, p.grad.numpy()) for b, p in zip(before, model.parameters()))
+
+
+def manual_with_zero_grad_in_place(GradScaler, overflow_at=(2,)):
+    """megengine.amp's manual split with opt.zero_grad(), which zeroes the gradients in
+    place: the next gm.backward(loss, dy=scale_factor) writes into the same objects."""
+    model, batches = model_and_data()
+    gm = GradManager().attach(model.parameters())
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = GradScaler(init_scale=2.0**4, growth_interval=2)
+    history = []
+    for i in range(6):
+        x, y = batch(batches, i, i in overflow_at)
+        with megengine.amp.autocast():
+            with gm:
+                gm.backward(F.nn.cross_entropy(model(x), y), dy=mge.tensor(scaler.scale_factor))
+        scaler.unscale(gm.attached_tensors())
+        scaler.update()
+        opt.step()
+        opt.zero_grad()
+        history.append(scaler.scale_factor)
+    return weights(model), history
+
+
+@pytest.mark.filterwarnings("ignore:Call to deprecated method:DeprecationWarning")
+def test_gradients_zeroed_in_place_between_iterations():
+    native = manual_with_zero_grad_in_place(NATIVE)
+    ours = manual_with_zero_grad_in_place(OURS)
+    assert native == ours
+    assert min(native[1]) < max(native[1])
+
+
+def test_unscaling_after_every_micro_batch_raises_where_megengine_mixes_scales():
+    """Accumulating micro-batches with unscale() after each: megengine.amp returns
+    gradients that mix unscaled and scaled parts (here 0.25x the true ones); we raise."""
+
+    def run(GradScaler):
+        w = mge.Parameter(np.ones(2, "float32"))
+        gm = GradManager().attach([w])
+        scaler = GradScaler(init_scale=4.0)
+        for _ in range(2):
+            with gm:
+                gm.backward((w * 1.0).sum(), dy=mge.tensor(scaler.scale_factor))
+            scaler.unscale([w])
+        return w.grad.numpy().tolist()
+
+    assert run(NATIVE) == [1.25, 1.25]  # the true accumulated gradient is 2.0
+    # dy=scale_factor hides the second backward from the scaler: it sees the same,
+    # already unscaled gradient objects
+    with pytest.raises(RuntimeError, match="already been called on these gradients.*"
+                                           "dy=scale_factor"):
+        run(OURS)
+
+
+def test_unscaling_after_every_scaled_micro_batch_raises():
+    """The same with scaler.scale(): the scaler sees the second backward, and the
+    error says what happened."""
+    w = mge.Parameter(np.ones(2, "float32"))
+    gm = GradManager().attach([w])
+    scaler = OURS(init_scale=4.0)
+    for i in range(2):
+        with gm:
+            gm.backward(scaler.scale((w * 1.0).sum()))
+        if i == 0:
+            scaler.unscale([w])
+    with pytest.raises(RuntimeError, match="mix unscaled and scaled values"):
+        scaler.unscale([w])
+    assert w.grad.numpy().tolist() == [5.0, 5.0]  # untouched by the refused unscale

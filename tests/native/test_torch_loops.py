@@ -602,3 +602,42 @@ def test_automatic_mode_then_scaler_step_unscales_once():
         np.testing.assert_allclose(model[0].weight.detach().numpy(),
                                    reference[0].weight.detach().numpy(), rtol=1e-6, atol=1e-7)
     assert scaler.stats()["skipped_steps"] == 1
+
+
+def test_unscaling_after_every_micro_batch_raises():
+    """torch.amp refuses a second unscale_ of an optimizer before update(); the same
+    mistake through megengine.amp's form (unscale of a GradManager or parameter list)
+    would mix unscaled and scaled gradients, so it raises too, and changes nothing."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for GradScaler, call in ((NATIVE, "unscale_"), (OURS, "unscale_"), (OURS, "unscale")):
+        scaler = GradScaler("cpu", init_scale=4.0)
+        scaled_backward(scaler, model, 0, micro=0, divide=2)
+        target = opt if call == "unscale_" else list(model.parameters())
+        getattr(scaler, call)(target)
+        scaled_backward(scaler, model, 0, micro=1, divide=2)
+        grads = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match="already been called on this optimizer"
+                                               "|mix unscaled and scaled values"):
+            getattr(scaler, call)(target)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        opt.zero_grad()
+
+
+def test_zero_grad_in_place_between_iterations():
+    def run(GradScaler):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        history = []
+        for step in range(6):
+            scaled_backward(scaler, model, step, overflow=step == 2)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+            history.append(scaler.get_scale())
+        return state_bytes([model], [opt]), history
+
+    native, ours = run(NATIVE), run(OURS)
+    assert native == ours and skipped_some(native[1])
