@@ -1,63 +1,122 @@
 # unified_amp: one virtual environment per backend, made on first use and then reused.
-#   make test   - set up both environments and run the whole suite on both backends
-#   make demo   - train the example CNN, fp32 vs AMP, on $UNIFIED_AMP_BACKEND (default torch)
-#                 (DEMO_ARGS="--plant overflow" plants an overflow and prints why it skipped)
-#   make bench  - the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick for a smoke run)
+#   make test                  set up both environments and run the whole suite on both backends
+#   make test BACKENDS=torch   one backend only (torch needs no CPython 3.10 and no MegEngine)
+#   make test-oldest           the suite on the oldest supported torch (a ~2.5 GB CUDA build)
+#   make demo                  fp32 vs AMP on scikit-learn's digits, on $UNIFIED_AMP_BACKEND
+#                              (default torch); writes demo-output/<backend>-curves.png
+#                              (DEMO_ARGS="--plant overflow" plants an overflow and prints
+#                              why the step was skipped)
+#   make bench                 the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick)
+#   make typecheck             mypy on unified_amp/ (in .venv-torch)
+#   make clean                 remove the environments and what the targets wrote
 SHELL := /bin/bash
 
 PY_TORCH ?= $(shell command -v python3.11 || command -v python3)
 # MegEngine 1.13.0 has wheels for CPython 3.8-3.10 only; pyenv's 3.10 is not on PATH here.
 PY_MGE ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
 
+ALL_BACKENDS := torch megengine
+# Names are matched as the library matches them: case and surrounding blanks ignored.
+lc = $(strip $(subst A,a,$(subst B,b,$(subst C,c,$(subst D,d,$(subst E,e,$(subst F,f,$(subst G,g,$(subst H,h,$(subst I,i,$(subst J,j,$(subst K,k,$(subst L,l,$(subst M,m,$(subst N,n,$(subst O,o,$(subst P,p,$(subst Q,q,$(subst R,r,$(subst S,s,$(subst T,t,$(subst U,u,$(subst V,v,$(subst W,w,$(subst X,x,$(subst Y,y,$(subst Z,z,$(1))))))))))))))))))))))))))))
+BACKEND := $(call lc,$(or $(UNIFIED_AMP_BACKEND),torch))
+BACKENDS ?= $(ALL_BACKENDS)
+TEST_BACKENDS := $(call lc,$(BACKENDS))
+
 VENV_torch := .venv-torch
 VENV_megengine := .venv-megengine
-BACKEND := $(or $(UNIFIED_AMP_BACKEND),torch)
+VENV_torch-oldest := .venv-torch-oldest
+# The extras each environment installs (in variables: $(call) splits its arguments at
+# every literal comma).
+EXTRAS_torch := torch,test,examples,bench
+EXTRAS_megengine := megengine,test,examples,bench
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 DEMO_ARGS ?=
 LOGDIR := .test-logs
 
-# pip's local mirrors print a warning for every package they don't carry; keep the noise out.
-PIP_FILTER := grep -v "Location 'file:.*' is ignored" || true
+# Names no environment here is made for: such a target depends on `unknown-backend`
+# instead, which fails with the library's own message.
+BAD_BACKEND := $(filter-out $(ALL_BACKENDS),$(BACKEND))
+BAD_TEST := $(firstword $(filter-out $(ALL_BACKENDS),$(TEST_BACKENDS)))
 
-.PHONY: test demo bench env-torch env-megengine clean
+# pip's own progress (Collecting / Downloading lines; bars on a terminal). Only stderr's
+# "Location 'file:...' is ignored" warnings, one per package a local mirror lacks, go.
+# $(1): the environment, $(2): pip install's arguments.
+pip_install = echo '$(1)/bin/pip install $(2)'; \
+	set -o pipefail; { $(1)/bin/python -m pip install --progress-bar on $(2) \
+	2>&1 1>&3 | { grep --line-buffered -v "Location 'file:.*' is ignored" || true; } >&2; } 3>&1
 
-$(VENV_torch)/.ready: pyproject.toml
-	@echo ">>> setting up $(VENV_torch) with $(PY_TORCH)"
-	@test -n "$(PY_TORCH)" || { echo "no python3 found"; exit 1; }
+# MegEngine's CUDA stub prints a banner and "failed to load cuda func" lines from C,
+# whatever MegEngine's log level (MEGENGINE_LOGGING_LEVEL quiets only its Python
+# logger), when there is no CUDA driver; on a CPU machine they only say it runs on CPU.
+CUDA_STUB_NOISE := ^(info: \+|debug: failed to load cuda func: )
+
+.PHONY: test test-oldest demo bench typecheck env-torch env-megengine unknown-backend clean
+
+$(VENV_torch)/.ready: pyproject.toml constraints/torch.txt
+	@echo ">>> setting up $(VENV_torch) with $(PY_TORCH) (torch and the test tools; about 1.5 min the first time)"
+	@test -n "$(PY_TORCH)" || { echo "no python3 found: set PY_TORCH=/path/to/python3.11"; exit 1; }
 	$(PY_TORCH) -m venv $(VENV_torch)
-	set -o pipefail; $(VENV_torch)/bin/pip install -q -e ".[torch,test,bench]" 2>&1 | { $(PIP_FILTER); }
+	@$(call pip_install,$(VENV_torch),-c constraints/torch.txt -e ".[$(EXTRAS_torch)]")
 	@touch $@
 
-$(VENV_megengine)/.ready: pyproject.toml
-	@echo ">>> setting up $(VENV_megengine) with $(PY_MGE)"
-	@test -n "$(PY_MGE)" || { echo "CPython 3.10 not found (MegEngine needs 3.8-3.10): set PY_MGE=/path/to/python3.10"; exit 1; }
+$(VENV_megengine)/.ready: pyproject.toml constraints/megengine.txt
+	@echo ">>> setting up $(VENV_megengine) with $(PY_MGE) (MegEngine is a 0.9 GB wheel; about 3 min the first time)"
+	@test -n "$(PY_MGE)" || { echo "CPython 3.10 not found (MegEngine needs 3.8-3.10, unified_amp >= 3.10): set PY_MGE=/path/to/python3.10, or run only torch: make test BACKENDS=torch"; exit 1; }
 	$(PY_MGE) -m venv $(VENV_megengine)
-	set -o pipefail; $(VENV_megengine)/bin/pip install -q -e ".[megengine,test,bench]" 2>&1 | { $(PIP_FILTER); }
+	@$(call pip_install,$(VENV_megengine),-c constraints/megengine.txt -e ".[$(EXTRAS_megengine)]")
+	@touch $@
+
+$(VENV_torch-oldest)/.ready: pyproject.toml constraints/torch-oldest.txt
+	@echo ">>> setting up $(VENV_torch-oldest) with $(PY_TORCH) (the oldest supported torch: a CUDA build with ~2.5 GB of nvidia wheels; it runs on CPU too)"
+	$(PY_TORCH) -m venv $(VENV_torch-oldest)
+	@$(call pip_install,$(VENV_torch-oldest),-c constraints/torch-oldest.txt -e ".[$(EXTRAS_torch)]")
 	@touch $@
 
 env-torch: $(VENV_torch)/.ready
 env-megengine: $(VENV_megengine)/.ready
 
-# Each backend runs in its own interpreter; both run even if the first fails, and the
-# target fails if either did.
-test: $(VENV_torch)/.ready $(VENV_megengine)/.ready
+# The library's own error for a backend name it does not know (it lists the valid ones),
+# from the framework-free core, so before any environment is made.
+demo bench: BAD_NAME = $(UNIFIED_AMP_BACKEND)
+demo bench: BAD_SOURCE = the UNIFIED_AMP_BACKEND environment variable
+test: BAD_NAME = $(BAD_TEST)
+test: BAD_SOURCE = make test BACKENDS=...
+unknown-backend:
+	@$(PY_TORCH) -c 'import sys; from unified_amp import _registry as r; \
+	sys.excepthook = lambda t, e, tb: print(f"make: *** {e}", file=sys.stderr); \
+	r._validate(sys.argv[1], sys.argv[2]); \
+	sys.exit(f"make: *** {sys.argv[1]!r} has no environment in this Makefile; it has: $(ALL_BACKENDS).")' \
+	  '$(BAD_NAME)' '$(BAD_SOURCE)'
+
+# Each backend runs in its own interpreter; all run even if one fails, and the target
+# fails if any did.
+test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))/.ready))
 	@mkdir -p $(LOGDIR); status=0; \
-	for b in torch megengine; do \
+	for b in $(TEST_BACKENDS); do \
 	  echo; echo "================ backend: $$b ================"; \
-	  UNIFIED_AMP_BACKEND=$$b .venv-$$b/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
-	    | tee $(LOGDIR)/$$b.log; \
+	  UNIFIED_AMP_BACKEND=$$b MEGENGINE_LOGGING_LEVEL=ERROR .venv-$$b/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; } | tee $(LOGDIR)/$$b.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	done; \
 	echo; echo "================ summary ================"; \
-	for b in torch megengine; do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/$$b.log | tail -1 | tr -d '=')"; done; \
+	for b in $(TEST_BACKENDS); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/$$b.log | tail -1 | tr -d '=')"; done; \
 	exit $$status
 
-demo: $(VENV_$(BACKEND))/.ready
-	UNIFIED_AMP_BACKEND=$(BACKEND) $(VENV_$(BACKEND))/bin/python -m examples.cnn_classifier --demo $(DEMO_ARGS)
+# Not part of `make test`: it downloads a CUDA build of torch. Run it when the torch
+# range in pyproject.toml changes, or before a release.
+test-oldest: $(VENV_torch-oldest)/.ready
+	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -c 'import torch, numpy; print(f"torch {torch.__version__}, numpy {numpy.__version__}")'
+	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: $(VENV_$(BACKEND))/.ready
-	UNIFIED_AMP_BACKEND=$(BACKEND) $(VENV_$(BACKEND))/bin/python -m benchmarks.bench $(BENCH_ARGS)
+demo: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
+	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m examples.cnn_classifier --demo --plot demo-output/$(BACKEND)-curves.png $(DEMO_ARGS)
+
+bench: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
+	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m benchmarks.bench $(BENCH_ARGS)
+
+typecheck: $(VENV_torch)/.ready
+	$(VENV_torch)/bin/python -m mypy
 
 clean:
-	rm -rf $(VENV_torch) $(VENV_megengine) $(LOGDIR) *.egg-info
+	rm -rf $(VENV_torch) $(VENV_megengine) $(VENV_torch-oldest) $(LOGDIR) demo-output .mypy_cache *.egg-info

@@ -1,9 +1,15 @@
-"""A small CNN (with BatchNorm) learns to tell bar orientations apart, with AMP.
+"""A small CNN (with BatchNorm) learns scikit-learn's handwritten digits, fp32 vs AMP.
 
-The images are made here with numpy: 16x16 noise with one bright bar that is
-horizontal, vertical, diagonal or anti-diagonal (the four classes), at a random offset.
-``train_step`` is the whole training step, written once against unified_amp; the model,
-loss and optimizer come from ``examples.frameworks`` for the active backend.
+The data is ``sklearn.datasets.load_digits``: 1797 real 8x8 scans of handwritten digits
+(0-9) that ship inside the scikit-learn package, so nothing is downloaded. A stratified
+split holds a third out for testing. ``train_step`` is the whole training step, written
+once against unified_amp; the model, loss and optimizer come from
+``examples.frameworks`` for the active backend.
+
+With ``--demo`` the same step trains two copies of the model from the same initial
+weights on the same batches, one in fp32 and one in AMP, epoch by epoch in turn (the
+order alternates), so that machine load hits both alike and their throughput compares
+as a ratio measured in one run.
 
     UNIFIED_AMP_BACKEND=torch python -m examples.cnn_classifier             # AMP
     UNIFIED_AMP_BACKEND=megengine python -m examples.cnn_classifier --demo  # fp32 vs AMP
@@ -13,7 +19,10 @@ loss and optimizer come from ``examples.frameworks`` for the active backend.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -23,29 +32,31 @@ import unified_amp as amp
 
 from . import frameworks, overflow
 
-CLASSES = ("horizontal", "vertical", "diagonal", "anti-diagonal")
+NUM_CLASSES = 10
+IMAGE_SIZE = 8
 
 
-def make_bars(n: int, size: int, noise: float, rng: np.random.Generator
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` noisy images (n, 1, size, size) float32, one bar each, and their labels.
+def load_digits(test_fraction: float = 1 / 3, seed: int = 0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's digits as float32 images (n, 1, 8, 8) in [0, 1], split stratified.
 
     Args:
-        n: how many images.
-        size: height and width in pixels.
-        noise: standard deviation of the Gaussian pixel noise (the bar is 1.0 bright).
-        rng: the numpy generator to draw from.
+        test_fraction: the share of the 1797 images held out for testing.
+        seed: fixes the split.
+
+    Returns:
+        (train images, train labels, test images, test labels).
     """
-    labels = rng.integers(0, len(CLASSES), n)
-    offsets = rng.integers(-size // 3, size // 3 + 1, n)
-    rows, cols = np.mgrid[:size, :size]
-    images = rng.normal(0.0, noise, (n, 1, size, size)).astype(np.float32)
-    for i, (label, off) in enumerate(zip(labels, offsets)):
-        # A line through the centre, shifted by `off`, three pixels thick.
-        coord = (rows, cols, rows - cols, rows + cols - (size - 1))[label]
-        centre = size // 2 if label < 2 else 0
-        images[i, 0] += (np.abs(coord - centre - off) <= 1.0).astype(np.float32)
-    return images, labels
+    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = sklearn_digits()
+    # Pixels are counts 0..16 in the dataset.
+    images = (digits.images / 16.0).astype(np.float32)[:, None]
+    train_x, test_x, train_y, test_y = train_test_split(
+        images, digits.target, test_size=test_fraction, stratify=digits.target,
+        random_state=seed)
+    return train_x, train_y, test_x, test_y
 
 
 def train_step(model: Any, gm: amp.GradManager, optimizer: Any, scaler: amp.GradScaler,
@@ -70,7 +81,8 @@ def train_step(model: Any, gm: amp.GradManager, optimizer: Any, scaler: amp.Grad
     with gm:
         with precision:
             loss = loss_fn(model(images), labels)
-        # Outside autocast: the backward pass follows the forward's dtypes anyway.
+        # Outside autocast, as both frameworks advise: the backward pass follows the
+        # forward's dtypes by itself.
         scaler.backward(gm, loss)  # scaled backward, unscale (drops inf/NaN grads), update
     optimizer.step()  # nothing to apply after an overflow: the scaler dropped the grads
     gm.zero_grad()
@@ -92,86 +104,185 @@ def evaluate(fw: Any, model: Any, images: np.ndarray, labels: np.ndarray,
     return correct / len(images), dtype
 
 
-def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 150,
-          batch_size: int = 64, train_size: int = 2048, test_size: int = 1000,
-          image_size: int = 16, width: int = 8, noise: float = 1.0, lr: float = 3e-3,
-          seed: int = 0, progress: bool = False, desc: str = "",
-          plant: str | None = None, plant_step: int | None = None) -> dict[str, Any]:
-    """Trains the CNN classifier on the active backend and evaluates it on held-out data.
+@dataclass
+class _Run:
+    """One model being trained, with what it has recorded so far."""
+
+    model: Any
+    gm: amp.GradManager
+    optimizer: Any
+    scaler: amp.GradScaler
+    precision: amp.autocast
+    planter: overflow.Planter
+    skips: overflow.SkipPrinter
+    losses: list[float] = field(default_factory=list)
+    accuracies: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)
+    compute_dtype: str = ""
+
+
+def train_runs(runs: dict[str, bool], *, dtype: str | None = None, epochs: int = 30,
+               batch_size: int = 64, train_size: int | None = None, width: int = 16,
+               lr: float = 3e-3, seed: int = 0, progress: bool = False,
+               data: tuple[np.ndarray, ...] | None = None, plant: str | None = None,
+               plant_step: int | None = None) -> dict[str, dict[str, Any]]:
+    """Trains one model per entry of ``runs`` (name -> AMP on?) on the digits, in turn.
+
+    Every run starts from the same weights and sees the same batches. Each epoch, each
+    run trains for one pass over the training set, timed, in an order that rotates by
+    one every epoch; then every run is evaluated on the held-out images (untimed).
 
     Args:
-        amp_enabled: False trains in fp32 through the same ``train_step``, with
-            ``autocast(enabled=False)`` and ``GradScaler(enabled=False)``.
+        runs: name -> whether that run uses AMP; False trains in fp32 through the same
+            ``train_step``, with ``autocast(enabled=False)`` and
+            ``GradScaler(enabled=False)``.
         dtype: the autocast dtype ("float16", "bfloat16"); None is the device's default.
-        progress: show a tqdm bar with the running loss.
-        desc: the progress bar's label.
+        epochs: passes over the training set.
+        train_size: use only the first ``train_size`` training images (None: all).
+        progress: show a tqdm bar with the running losses.
+        data: ``load_digits(seed=seed)``'s result, if the caller has it already.
         plant: "overflow" or "nan" plants that inf/NaN source (``examples.overflow``)
-            in step ``plant_step`` (default: the middle one) of an AMP run, with
-            forward tracing on; each skipped step prints its report.
-        The others: data, model and optimizer sizes; ``seed`` fixes data and weights.
+            in step ``plant_step`` (counted from 0 over all epochs; default: the middle
+            one) of every AMP run, with forward tracing on; each skipped step prints
+            its report.
+        The others: batch, model width, Adam's learning rate; ``seed`` fixes the split,
+        the weights and the batch order.
 
     Returns:
-        A dict: ``losses`` (per step), ``accuracy`` (held-out), ``samples_per_s``,
-        ``compute_dtype`` (what the logits came out in), ``scaler`` (its ``stats()``),
-        ``train_step`` (the step function that ran) and ``model``.
+        name -> dict: ``losses`` (per step), ``epoch_losses`` (mean per epoch),
+        ``accuracies`` (held-out, per epoch), ``accuracy`` (the last), ``epoch_seconds``
+        (training time of each epoch), ``samples_per_s`` (median over the epochs after
+        the first, which includes one-time setup), ``compute_dtype`` (what the logits
+        came out in), ``scaler`` (its ``stats()``), ``train_step`` (the step function
+        that ran) and ``model``.
     """
+    # The data first: MegEngine turns on flush-to-zero when it loads, after which
+    # scikit-learn's first use of np.finfo warns that subnormals are zero.
+    train_x, train_y, test_x, test_y = data if data is not None else load_digits(seed=seed)
     fw = frameworks.get()
+    if train_size is not None:
+        train_x, train_y = train_x[:train_size], train_y[:train_size]
+    steps_per_epoch = max(1, len(train_x) // batch_size)  # full batches only
+
+    if plant_step is None:
+        plant_step = epochs * steps_per_epoch // 2
+    state: dict[str, _Run] = {}
+    for name, amp_enabled in runs.items():
+        fw.seed(seed)  # the same initial weights for every run
+        model = fw.cnn(NUM_CLASSES, width, IMAGE_SIZE)
+        scaler = amp.GradScaler(enabled=amp_enabled).watch(model)  # names in reports
+        # An fp32 run has no scaler to skip the step: plant in AMP runs only.
+        planted = plant if amp_enabled else None
+        state[name] = _Run(model=model, gm=amp.GradManager(model.parameters()),
+                           optimizer=fw.adam(model.parameters(), lr=lr), scaler=scaler,
+                           precision=amp.autocast(enabled=amp_enabled, dtype=dtype),
+                           planter=overflow.Planter(planted, plant_step, model[-1]),
+                           skips=overflow.SkipPrinter(scaler, tqdm.write))
+
     rng = np.random.default_rng(seed)
-    train_x, train_y = make_bars(train_size, image_size, noise, rng)
-    test_x, test_y = make_bars(test_size, image_size, noise, rng)
-
-    fw.seed(seed)
-    model = fw.cnn(len(CLASSES), width, image_size)
-    optimizer = fw.adam(model.parameters(), lr=lr)
-    gm = amp.GradManager(model.parameters())
-    scaler = amp.GradScaler(enabled=amp_enabled).watch(model)  # names in overflow reports
-    precision = amp.autocast(enabled=amp_enabled, dtype=dtype)
-    plant = plant if amp_enabled else None  # an fp32 run has no scaler to skip the step
-    plant_step = steps // 2 if plant_step is None else plant_step
-
-    order = np.concatenate([rng.permutation(train_size)
-                            for _ in range(steps * batch_size // train_size + 1)])
-    losses = []
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=True)
-    skips = overflow.SkipPrinter(scaler, tqdm.write)
-    start = time.perf_counter()
-    with overflow.Planter(plant, plant_step, model[-1]) as planter, \
-            overflow.tracing(model, on=plant is not None):
-        for i in bar:
-            idx = order[i * batch_size:(i + 1) * batch_size]
-            images = planter.batch(i, train_x[idx])
-            loss = train_step(model, gm, optimizer, scaler, fw.cross_entropy,
-                              fw.tensor(images), fw.labels(train_y[idx]), precision)
-            losses.append(loss)
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            skips.after_step()
-    elapsed = time.perf_counter() - start
+    names = list(state)
+    bar = tqdm(total=epochs * steps_per_epoch * len(names), disable=not progress,
+               desc=f"{amp.get_backend().name} digits", unit="step", leave=True)
+    with contextlib.ExitStack() as stack:
+        for run in state.values():
+            stack.enter_context(run.planter)
+            stack.enter_context(overflow.tracing(run.model,
+                                                 on=run.planter.kind is not None))
+        for epoch in range(epochs):
+            order = rng.permutation(len(train_x))
+            batches = [(train_x[idx], fw.tensor(train_x[idx]), fw.labels(train_y[idx]))
+                       for idx in np.split(order[:steps_per_epoch * batch_size],
+                                           steps_per_epoch)]
+            for name in names[epoch % len(names):] + names[:epoch % len(names)]:
+                run = state[name]
+                start = time.perf_counter()
+                for j, (array, images, labels) in enumerate(batches):
+                    planted = run.planter.batch(epoch * steps_per_epoch + j, array)
+                    if planted is not array:
+                        images = fw.tensor(planted)
+                    run.losses.append(train_step(run.model, run.gm, run.optimizer,
+                                                 run.scaler, fw.cross_entropy, images,
+                                                 labels, run.precision))
+                    run.skips.after_step()
+                    bar.update()
+                run.epoch_seconds.append(time.perf_counter() - start)
+            for run in state.values():
+                accuracy, run.compute_dtype = evaluate(fw, run.model, test_x, test_y,
+                                                       run.precision)
+                run.accuracies.append(accuracy)
+            bar.set_postfix({f"{n} acc": f"{100 * state[n].accuracies[-1]:.1f}%"
+                             for n in names})
     bar.close()
 
-    accuracy, compute_dtype = evaluate(fw, model, test_x, test_y, precision)
-    return {
-        "losses": losses,
-        "accuracy": accuracy,
-        "samples_per_s": steps * batch_size / elapsed,
-        "compute_dtype": compute_dtype,
-        "scaler": scaler.stats(),
-        "train_step": train_step,
-        "model": model,
-    }
+    results = {}
+    for name, run in state.items():
+        timed = run.epoch_seconds[1:] or run.epoch_seconds
+        results[name] = {
+            "losses": run.losses,
+            "epoch_losses": [float(np.mean(run.losses[i:i + steps_per_epoch]))
+                             for i in range(0, len(run.losses), steps_per_epoch)],
+            "accuracies": run.accuracies,
+            "accuracy": run.accuracies[-1],
+            "epoch_seconds": run.epoch_seconds,
+            "samples_per_s": steps_per_epoch * batch_size / float(np.median(timed)),
+            "compute_dtype": run.compute_dtype,
+            "scaler": run.scaler.stats(),
+            "train_step": train_step,
+            "model": run.model,
+            "data": {"train": len(train_x), "test": len(test_x),
+                     "steps_per_epoch": steps_per_epoch},
+        }
+    return results
 
 
-def final_loss(losses: list[float], last: int = 10) -> float:
-    """The mean loss over the last ``last`` steps (one batch's loss is noisy)."""
-    return float(np.mean(losses[-last:]))
+def train(*, amp_enabled: bool = True, **kwargs: Any) -> dict[str, Any]:
+    """Trains one model, in AMP or in fp32; takes ``train_runs``'s keyword arguments and
+    returns its result for that run."""
+    name = "AMP" if amp_enabled else "fp32"
+    return train_runs({name: amp_enabled}, **kwargs)[name]
+
+
+def throughput_ratio(results: dict[str, dict[str, Any]], num: str = "AMP",
+                     den: str = "fp32") -> dict[str, float]:
+    """``num``'s throughput over ``den``'s, per epoch (the two ran back to back in each
+    epoch), over the epochs after the first; median and quartiles."""
+    a, b = results[num]["epoch_seconds"], results[den]["epoch_seconds"]
+    ratios = [tb / ta for ta, tb in zip(a, b)][1:] or [b[0] / a[0]]
+    q1, median, q3 = np.percentile(ratios, [25, 50, 75])
+    return {"median": float(median), "q1": float(q1), "q3": float(q3), "n": len(ratios)}
+
+
+def throughput_verdict(ratio: dict[str, float]) -> str:
+    """One sentence on which precision trained faster, that follows from ``ratio``: a
+    side is named only when the middle half of the per-epoch ratios lies on it."""
+    figures = (f"AMP trained at {ratio['median']:.2f}x the throughput of fp32 (median of"
+               f" {ratio['n']} per-epoch ratios; quartiles {ratio['q1']:.2f}-"
+               f"{ratio['q3']:.2f})")
+    if ratio["q1"] > 1.0:
+        return figures + ": AMP was faster here."
+    if ratio["q3"] < 1.0:
+        return (figures + ": AMP was slower here. At this model size the low-precision"
+                " kernels plus autocast's casts cost more than float32 ones; AMP pays"
+                " off where low-precision kernels are fast (GPUs; bfloat16 with torch on"
+                " recent CPUs, for larger models).")
+    return figures + ": the quartiles straddle 1.0, so neither was clearly faster."
+
+
+def accuracy_verdict(results: dict[str, dict[str, Any]]) -> str:
+    """One sentence comparing the held-out accuracies of fp32 and AMP."""
+    fp32, mixed = 100 * results["fp32"]["accuracy"], 100 * results["AMP"]["accuracy"]
+    gap = mixed - fp32
+    return (f"Held-out accuracy: fp32 {fp32:.1f}%, AMP {mixed:.1f}% ({gap:+.1f} points,"
+            f" on {results['fp32']['data']['test']} images).")
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-    """One column per run: final loss, accuracy, samples/s, loss scale, skipped steps."""
+    """One column per run: losses, accuracy, samples/s, loss scale, skipped steps."""
     names = list(results)
     rows = [
         ("compute dtype", lambda r: r["compute_dtype"]),
         ("loss, first step", lambda r: f"{r['losses'][0]:.4f}"),
-        ("loss, last 10 avg", lambda r: f"{final_loss(r['losses']):.4f}"),
+        ("loss, last epoch", lambda r: f"{r['epoch_losses'][-1]:.4f}"),
         ("held-out accuracy", lambda r: f"{100 * r['accuracy']:.1f}%"),
         ("samples/s", lambda r: f"{r['samples_per_s']:.0f}"),
         ("final loss scale", lambda r: f"{r['scaler']['scale']:g}"
@@ -179,9 +290,56 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         ("skipped steps", lambda r: f"{r['scaler']['skipped_steps']}"
                                     f" of {len(r['losses'])}"),
     ]
+    if "AMP" in results and "fp32" in results:
+        ratio = throughput_ratio(results)
+        rows.insert(5, ("throughput vs fp32",
+                        lambda r: "1 (baseline)" if r is results["fp32"]
+                        else f"{ratio['median']:.2f}x"))
     print(f"{'':<19}" + "".join(f"{n:>16}" for n in names))
     for label, cell in rows:
         print(f"{label:<19}" + "".join(f"{cell(results[n]):>16}" for n in names))
+
+
+def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
+    """Saves training loss (per step, and per-epoch mean) and held-out accuracy (per
+    epoch) of every run to a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # fp32 wide and solid, AMP dashed on top: where the curves agree both stay visible.
+    styles = ({"color": "tab:blue", "linewidth": 3.0, "alpha": 0.7},
+              {"color": "tab:orange", "linewidth": 1.5, "linestyle": "--"})
+    for (name, r), style in zip(results.items(), styles):
+        color = style["color"]
+        per_epoch = r["data"]["steps_per_epoch"]
+        steps = np.arange(1, len(r["losses"]) + 1)
+        ax_loss.plot(steps, r["losses"], color=color, alpha=0.25, linewidth=0.8)
+        ends = per_epoch * np.arange(1, len(r["epoch_losses"]) + 1)
+        ax_loss.plot(ends, r["epoch_losses"], marker=".", **style,
+                     label=f"{name} ({r['compute_dtype']}), epoch mean")
+        epochs = np.arange(1, len(r["accuracies"]) + 1)
+        ax_acc.plot(epochs, 100 * np.asarray(r["accuracies"]), marker=".", **style,
+                    label=f"{name}: {100 * r['accuracy']:.1f}% at the end")
+    ax_loss.set(xlabel="step", ylabel="training loss (cross-entropy)", yscale="log",
+                title="training loss")
+    ax_acc.set(xlabel="epoch", ylabel="held-out accuracy (%)",
+               title=f"held-out accuracy ({results[next(iter(results))]['data']['test']}"
+                     f" images)")
+    ax_acc.set_ylim(max(0.0, min(100 * min(r["accuracies"]) for r in results.values())
+                        - 2), 100.5)
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def parse_args(argv: list[str] | None, description: str = __doc__,
@@ -189,22 +347,22 @@ def parse_args(argv: list[str] | None, description: str = __doc__,
     """The command line of this example; ``examples.fp32_baseline`` shares it without
     the AMP options (``amp_options=False``)."""
     p = argparse.ArgumentParser(description=description.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--train-size", type=int, default=2048)
-    p.add_argument("--test-size", type=int, default=1000)
-    p.add_argument("--image-size", type=int, default=16, help="a multiple of 4")
-    p.add_argument("--width", type=int, default=8, help="channels of the first conv")
-    p.add_argument("--noise", type=float, default=1.0)
+    p.add_argument("--train-size", type=int, default=None,
+                   help="train on the first N training images only (default: all)")
+    p.add_argument("--width", type=int, default=16, help="channels of the first conv")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     if amp_options:
         p.add_argument("--dtype", choices=("float16", "bfloat16"), default=None,
                        help="autocast dtype (default: the device's, bfloat16 on"
-                            " torch/CPU, float16 on MegEngine/CPU)")
+                            " torch/CPU, float16 on MegEngine/CPU and on CUDA)")
         p.add_argument("--demo", action="store_true",
-                       help="train in fp32 and then in AMP on the same data, and compare")
+                       help="train in fp32 and in AMP, in turn, and compare")
+        p.add_argument("--plot", type=Path, default=None,
+                       help="with --demo: save the loss and accuracy curves to this PNG")
         overflow.add_arguments(p)
     return p.parse_args(argv)
 
@@ -213,33 +371,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the example; returns ``train()``'s result, or {"fp32": ..., "AMP": ...}
     with ``--demo``."""
     args = parse_args(argv)
-    config = dict(dtype=args.dtype, steps=args.steps, batch_size=args.batch_size,
-                  train_size=args.train_size, test_size=args.test_size,
-                  image_size=args.image_size, width=args.width, noise=args.noise,
-                  lr=args.lr, seed=args.seed, progress=not args.no_progress,
-                  plant=args.plant, plant_step=args.plant_step)
-    backend = amp.get_backend().name
-    print(f"cnn_classifier on {backend}: {len(CLASSES)} classes of {args.image_size}x"
-          f"{args.image_size} bar images, {args.train_size} for training,"
-          f" {args.test_size} held out; batch {args.batch_size}, {args.steps} steps")
+    data = load_digits(seed=args.seed)  # before the framework: see train_runs()
+    fw = frameworks.get()
+    backend = fw.name
+    runs = {"fp32": False, "AMP": True} if args.demo else {"AMP": True}
+    print(f"cnn_classifier on {backend} ({fw.device_name()}): scikit-learn's handwritten"
+          f" digits, 8x8, 10 classes; batch {args.batch_size}, {args.epochs} epochs")
     print(f"AMP: autocast(dtype={args.dtype!r})"
           + (", the device's default low precision" if args.dtype is None else "")
-          + " and GradScaler()")
-    runs = {"fp32": False, "AMP": True} if args.demo else {"AMP": True}
-    results = {name: train(amp_enabled=on, desc=f"{backend} {name}", **config)
-               for name, on in runs.items()}
-    print()
+          + " and GradScaler()"
+          + ("; fp32 and AMP train in turn, epoch by epoch" if args.demo else ""))
+    results = train_runs(runs, dtype=args.dtype, epochs=args.epochs,
+                         batch_size=args.batch_size, train_size=args.train_size,
+                         width=args.width, lr=args.lr, seed=args.seed,
+                         progress=not args.no_progress, data=data, plant=args.plant,
+                         plant_step=args.plant_step)
+    data = results[next(iter(results))]["data"]
+    print(f"\n{data['train']} training images, {data['test']} held out\n")
     print_table(results)
     last = overflow.summary(results["AMP"]["scaler"])
     if last is not None:
         print(f"\nLast skipped step, as the scaler explains it:\n  {last}")
-    if args.demo and results["AMP"]["samples_per_s"] < results["fp32"]["samples_per_s"]:
-        low = results["AMP"]["compute_dtype"]
-        print(f"\nAMP is slower than fp32 here: on this device and at this model size,"
-              f" {low} kernels plus autocast's casts cost more than float32 ones. AMP pays"
-              f" off where low-precision kernels are fast (GPUs; bfloat16 with torch on"
-              f" recent CPUs, for larger models).")
-    return results if args.demo else results["AMP"]
+    if not args.demo:
+        return results["AMP"]
+    print()
+    print(accuracy_verdict(results))
+    print(throughput_verdict(throughput_ratio(results)))
+    if args.plot is not None:
+        ratio = throughput_ratio(results)
+        title = (f"unified_amp on {backend} ({fw.device_name()}): digits CNN, fp32 vs AMP"
+                 f" ({results['AMP']['compute_dtype']}); AMP/fp32 throughput"
+                 f" {ratio['median']:.2f}x (quartiles {ratio['q1']:.2f}-{ratio['q3']:.2f})")
+        print(f"Curves: {plot_curves(results, args.plot, title)}")
+    return results
 
 
 if __name__ == "__main__":

@@ -25,10 +25,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """
     args = cnn_classifier.parse_args(argv, description=__doc__, amp_options=False)
     result = cnn_classifier.train(
-        amp_enabled=False, steps=args.steps, batch_size=args.batch_size,
-        train_size=args.train_size, test_size=args.test_size, image_size=args.image_size,
-        width=args.width, noise=args.noise, lr=args.lr, seed=args.seed,
-        progress=not args.no_progress, desc="fp32")
+        amp_enabled=False, epochs=args.epochs, batch_size=args.batch_size,
+        train_size=args.train_size, width=args.width, lr=args.lr, seed=args.seed,
+        progress=not args.no_progress)
     print(f"CNN classifier on {amp.get_backend().name}, fp32 through the AMP training step")
     cnn_classifier.print_table({"fp32": result})
     return result

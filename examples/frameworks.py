@@ -9,20 +9,50 @@ framework in ``__init__``, so importing an example imports no framework until it
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+import os
+import re
+import sys
+import tempfile
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 import unified_amp as amp
 
+# What MegEngine's CUDA stub prints to stderr, from C and whatever MegEngine's log level,
+# when it finds no CUDA driver: a five-line "works under CPU mode" banner and "failed to
+# load cuda func" lines, once when the framework loads and again at the first op.
+_CUDA_STUB_NOISE = re.compile(r"^(info: \+.*|debug: failed to load cuda func: \w+)\n?$")
+
+
+@contextlib.contextmanager
+def _without_cuda_stub_noise() -> Iterator[None]:
+    """Captures file descriptor 2 for the block and passes on every line but MegEngine's
+    CUDA-stub messages (which on a CPU machine only say it runs on the CPU)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(x for x in lines if not _CUDA_STUB_NOISE.match(x)))
+            sys.stderr.flush()
+
 
 def get() -> Any:
     """The framework kit of the active unified_amp backend (``UNIFIED_AMP_BACKEND``)."""
-    name = amp.get_backend().name
     kits = {"torch": TorchKit, "megengine": MegEngineKit}
-    if name not in kits:
-        raise ValueError(f"the examples cover the torch and megengine backends; got {name!r}")
-    return kits[name]()
+    with _without_cuda_stub_noise():
+        name = amp.get_backend().name
+        if name not in kits:
+            raise ValueError(
+                f"the examples cover the torch and megengine backends; got {name!r}")
+        return kits[name]()
 
 
 class TorchKit:
@@ -41,6 +71,10 @@ class TorchKit:
         self.nn = torch.nn
         self.F = torch.nn.functional
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def device_name(self) -> str:
+        """"CPU" or "CUDA", where the examples' tensors live."""
+        return self.device.type.upper()
 
     def seed(self, seed: int) -> None:
         """Seeds the framework's RNG, which initialises the model weights."""
@@ -133,6 +167,12 @@ class MegEngineKit:
         import megengine.optimizer as optim
 
         self.mge, self.F, self.M, self.optim = megengine, F, M, optim
+        # The first op initialises the default device (and its CUDA stub: see get()).
+        megengine.tensor(np.zeros(1, np.float32)).numpy()
+
+    def device_name(self) -> str:
+        """"CPU" or "CUDA", where the examples' tensors live."""
+        return "CUDA" if self.mge.is_cuda_available() else "CPU"
 
     def seed(self, seed: int) -> None:
         """Seeds the framework's RNG, which initialises the model weights."""

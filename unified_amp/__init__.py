@@ -4,10 +4,10 @@
 
     gm = amp.GradManager(model.parameters())
     scaler = amp.GradScaler()
-    with amp.autocast(dtype="float16"):
-        with gm:
+    with gm:
+        with amp.autocast():                # the device's fast low precision
             loss = loss_fn(model(x), y)
-            scaler.backward(gm, loss)       # scaled backward, unscale, update
+        scaler.backward(gm, loss)           # scaled backward, unscale, update
     optimizer.step(); gm.zero_grad()
 
 apex.amp's API is here too, on both frameworks: ``amp.initialize(model, optimizer,

@@ -93,7 +93,7 @@ def info_of(optimizer: Any) -> "_OptimizerAmp | None":
 
 def state_of(optimizers: list[Any], latest: Any) -> Any:
     """The initialize() state that prepared all of ``optimizers``."""
-    states = []
+    states: list[Any] = []
     for opt in optimizers:
         info = info_of(opt)
         if info is None:

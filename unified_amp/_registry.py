@@ -25,6 +25,13 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "megengine": ("unified_amp.backends.megengine_backend:MegEngineBackend", "megengine",
                   "megengine"),
 }
+# What each extra in pyproject.toml installs: the framework versions the test suite has
+# passed on (README, "Supported versions"). The install hints quote them, because no
+# package index serves unified_amp itself; tests/test_packaging.py keeps the two equal.
+REQUIREMENTS: dict[str, tuple[str, ...]] = {
+    "torch": ("torch>=2.7,<2.15",),
+    "megengine": ("megengine==1.13.*", "numpy<2", "opencv-python<4.11", "setuptools<80.9"),
+}
 _AUTO_ORDER = ("torch", "megengine")
 
 _lock = threading.Lock()
@@ -66,14 +73,23 @@ def _framework_installed(name: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
+def install_command(name: str) -> str:
+    """The pip command that installs the framework of built-in backend ``name``, in the
+    versions unified_amp supports."""
+    return "pip install " + " ".join(f"'{req}'" for req in REQUIREMENTS[name])
+
+
 def _unavailable(name: str) -> BackendUnavailableError:
-    framework, extra = _BUILTIN[name][1], _BUILTIN[name][2]
+    framework = _BUILTIN[name][1]
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    hint = f"Install it with: pip install 'unified_amp[{extra}]'."
-    if name == "megengine":
+    hint = f"Install it with: {install_command(name)}"
+    if name == "torch":
+        hint += " (for a CUDA build, use the command pytorch.org gives for your CUDA)."
+    else:
         hint += (
-            f" MegEngine 1.13.0, its last release, has wheels for CPython 3.8-3.10 only"
-            f" (this is CPython {py}); use a separate 3.10 environment, as `make test` does."
+            f" into a CPython 3.10 environment: MegEngine 1.13, its last release, has"
+            f" wheels for CPython 3.8-3.10 only and unified_amp needs CPython >= 3.10"
+            f" (this is CPython {py}). `make test` keeps one such environment per backend."
         )
     return BackendUnavailableError(
         f"The {name!r} backend needs the {framework!r} package, which is not installed in"
@@ -124,9 +140,9 @@ def _resolve_name() -> str:
     for name in available_backends():
         return name
     raise BackendUnavailableError(
-        "No unified_amp backend is installed: install a framework with"
-        " pip install 'unified_amp[torch]' (CPython >= 3.10) or"
-        " pip install 'unified_amp[megengine]' (CPython 3.8-3.10)."
+        f"No unified_amp backend is installed in this interpreter ({sys.executable}):"
+        f" install a framework with {install_command('torch')}, or, in a CPython 3.10"
+        f" environment (MegEngine has no wheels past 3.10), {install_command('megengine')}."
     )
 
 

@@ -42,8 +42,8 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         try:
             params = list(target)
         except TypeError:
-            params = None
-        if params is None or not all(backend.is_tensor(p) for p in params):
+            params = [target]  # not iterable: rejected below, as a non-tensor
+        if not all(backend.is_tensor(p) for p in params):
             raise TypeError(
                 f"{what} expects a GradManager, an optimizer, a module, or an iterable of"
                 f" {backend.name} parameters; got {type(target).__name__}"

@@ -31,6 +31,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Callable
 
 from ._interface import LOW_PRECISION
@@ -158,18 +159,20 @@ class OverflowReport:
             samples = ", ".join(map(str, self.bad_samples))
             return (f"the model's input holds inf/NaN in sample(s) {samples}: bad data,"
                     f" not precision")
-        if cause == "forward-float16":
-            return (f"first non-finite forward output: {first.describe()}, a float16"
-                    f" overflow (|x| > 65504): run that op in float32"
-                    f" (autocast(enabled=False)) or use bfloat16")
-        if cause == "forward-bfloat16":
-            return (f"first non-finite forward output: {first.describe()}: not an"
-                    f" overflow (bfloat16 has float32's range); if that op cancels or"
-                    f" divides, run it in float32 (autocast(enabled=False)), else the"
-                    f" inf/NaN is genuine")
-        if cause == "forward-float32":
-            return (f"first non-finite forward output: {first.describe()}, computed in"
-                    f" {first.dtype}: a genuine inf/NaN, not a precision overflow")
+        if cause.startswith("forward-"):
+            assert first is not None  # what a forward-<dtype> cause is made from
+            if cause == "forward-float16":
+                return (f"first non-finite forward output: {first.describe()}, a float16"
+                        f" overflow (|x| > 65504): run that op in float32"
+                        f" (autocast(enabled=False)) or use bfloat16")
+            if cause == "forward-bfloat16":
+                return (f"first non-finite forward output: {first.describe()}: not an"
+                        f" overflow (bfloat16 has float32's range); if that op cancels or"
+                        f" divides, run it in float32 (autocast(enabled=False)), else the"
+                        f" inf/NaN is genuine")
+            if cause == "forward-float32":
+                return (f"first non-finite forward output: {first.describe()}, computed in"
+                        f" {first.dtype}: a genuine inf/NaN, not a precision overflow")
         if cause == "loss":
             return "every traced forward output was finite, the loss was not"
         if cause == "backward":
@@ -364,7 +367,8 @@ def _first_nonfinite(traces: list[ForwardTrace] | None = None
     if not records:
         return None, ()
     finite = records[0].trace._backend.read_finite_flags([r.flag for r in records])
-    first, samples = None, ()
+    first: NonFiniteOutput | None = None
+    samples: tuple[int, ...] = ()
     for record, ok in zip(records, finite):
         if all(ok):
             continue
@@ -393,7 +397,8 @@ def _ref(obj: Any) -> Callable[[], Any]:
 def _user_stacklevel() -> int:
     """The stacklevel of the first frame outside this package, for warnings."""
     package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level

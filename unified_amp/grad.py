@@ -50,6 +50,9 @@ class GradManager:
         self._tape = self._backend.new_tape()
         self._params: list[Any] = []
         self._recording = False
+        # Set when backward() has ended the recording of the current block, so that a
+        # second backward() in the same block is told so (not "nothing recorded").
+        self._spent = False
         if params is not None:
             self.attach(params, callbacks=callbacks)
         elif callbacks is not None:
@@ -94,9 +97,14 @@ class GradManager:
             )
         self._tape.record()
         self._recording = True
+        self._spent = False
 
     def release(self) -> None:
         """Stops recording and frees the recorded graph (what leaving ``with gm:`` does)."""
+        self._spent = False
+        self._stop()
+
+    def _stop(self) -> None:
         self._recording = False
         self._tape.release()
 
@@ -116,7 +124,19 @@ class GradManager:
                 plain gradients.
 
         Ends the recording, as MegEngine does: one backward per ``with gm:`` block.
+
+        Raises:
+            RuntimeError: no ``with gm:`` block is recording, or ``backward()`` already
+                ran in this one.
         """
+        if self._spent:
+            raise RuntimeError(
+                "GradManager.backward() was already called in this `with gm:` block: a"
+                " block records the forward pass for one backward() call, which frees it."
+                " Run each backward() in its own `with gm:` block (gradients accumulate"
+                " across blocks), or differentiate several outputs in one call:"
+                " gm.backward([y1, y2])."
+            )
         if not self._recording:
             raise RuntimeError(
                 "GradManager.backward() was called with no recorded computation: run the"
@@ -133,7 +153,8 @@ class GradManager:
         try:
             self._tape.backward(ys, dys)
         finally:
-            self.release()
+            self._stop()
+            self._spent = True
 
     def zero_grad(self) -> None:
         """Drops the accumulated gradients of every attached parameter (sets them to None)."""

@@ -264,6 +264,8 @@ class _AmpState:
     def __init__(self, props: OptProperties | None, num_losses: int) -> None:
         self.props = props
         self.backend = get_backend()
+        # The (min, max) the scale is held within; (None, None) is unbounded.
+        self.bounds: tuple[float | None, float | None]
         if props is None:
             self.bounds = (None, None)
             self.scalers = [GradScaler(enabled=False) for _ in range(num_losses)]
@@ -361,6 +363,7 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
     backend = get_backend()
     model_list, models_was_list = _as_list(models, f"a {backend.name} module",
                                            backend.is_module)
+    opt_list: list[Any]
     if optimizers is None:
         opt_list, opts_was_list = [], False
     else:
@@ -449,7 +452,8 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
             f"amp.scale_loss loss_id={loss_id} is out of range: amp.initialize was called"
             f" with num_losses={len(state.scalers)}, so loss_id must be in"
             f" 0..{len(state.scalers) - 1}.")
-    infos = [_amp_patch.info_of(opt) for opt in opts]
+    # state_of() above raised for any optimizer initialize() did not prepare.
+    infos = [info for opt in opts if (info := _amp_patch.info_of(opt)) is not None]
     backend = state.backend
     scaler = state.scalers[loss_id]
     if not state.props.scales_loss:

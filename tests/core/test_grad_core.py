@@ -21,8 +21,30 @@ def test_one_backward_per_recording(fake):
     gm = amp.GradManager([p])
     with gm:
         gm.backward(linear_loss([p], [[1.0]]))
-        with pytest.raises(RuntimeError, match="no recorded computation"):
+        with pytest.raises(RuntimeError, match="already called in this `with gm:` block"):
             gm.backward(linear_loss([p], [[1.0]]))
+    # Leaving the block forgets it: outside, the error is about the missing block ...
+    with pytest.raises(RuntimeError, match="no recorded computation"):
+        gm.backward(linear_loss([p], [[1.0]]))
+    # ... and a new block records again.
+    with gm:
+        gm.backward(linear_loss([p], [[1.0]]))
+    assert p.grad.values == [2.0]
+
+
+def test_record_and_release_by_hand_follow_the_same_rule(fake):
+    p = FakeTensor([1.0])
+    gm = amp.GradManager([p])
+    gm.record()
+    gm.backward(linear_loss([p], [[1.0]]))
+    with pytest.raises(RuntimeError, match="already called"):
+        gm.backward(linear_loss([p], [[1.0]]))
+    gm.record()  # a new recording, without release() in between, as in MegEngine
+    gm.backward(linear_loss([p], [[1.0]]))
+    gm.release()
+    with pytest.raises(RuntimeError, match="no recorded computation"):
+        gm.backward(linear_loss([p], [[1.0]]))
+    assert p.grad.values == [2.0]
 
 
 def test_gradients_accumulate_until_zero_grad_and_only_attached(fake):

@@ -83,9 +83,25 @@ def test_missing_framework_raises_import_error_with_install_hint(name, monkeypat
         amp.set_backend(name)
     assert isinstance(info.value, ImportError)
     message = str(info.value)
-    assert f"pip install 'unified_amp[{name}]'" in message
+    # No index serves unified_amp, so the hint installs the framework itself, in the
+    # versions of the extra (tests/test_packaging.py checks that they are the extra's).
+    assert f"Install it with: {_registry.install_command(name)}" in message
+    assert f"pip install '{_registry.REQUIREMENTS[name][0]}'" in message
+    assert "unified_amp[" not in message
     if name == "megengine":
-        assert "3.8-3.10" in message
+        assert "CPython 3.8-3.10 only and unified_amp needs CPython >= 3.10" in message
+        assert "'numpy<2'" in message
+
+
+def test_no_backend_at_all_names_both_install_commands(monkeypatch):
+    monkeypatch.delenv("UNIFIED_AMP_BACKEND", raising=False)
+    monkeypatch.setattr(_registry, "available_backends", lambda: [])
+    _registry._reset_for_tests()
+    with pytest.raises(amp.BackendUnavailableError) as info:
+        amp.get_backend()
+    message = str(info.value)
+    for name in FRAMEWORKS:
+        assert _registry.install_command(name) in message
 
 
 def test_set_backend_overrides_env_var_and_is_cached(fake):

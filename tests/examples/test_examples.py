@@ -25,8 +25,9 @@ SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline, apex_style, ove
 # the framework sees a GPU.
 CPU_DEFAULT_DTYPE = {"torch": "bfloat16", "megengine": "float16"}
 
-TINY_CNN = ["--steps", "30", "--batch-size", "32", "--train-size", "256", "--lr", "0.01",
-            "--test-size", "200", "--width", "4", "--noise", "0.5", "--no-progress"]
+# 3 epochs of 8 steps on the first 256 training digits; all 599 held out are scored.
+TINY_CNN = ["--epochs", "3", "--batch-size", "32", "--train-size", "256", "--lr", "0.03",
+            "--width", "8", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -88,25 +89,70 @@ def test_importing_the_examples_imports_no_framework():
     assert out.strip() == "[]"
 
 
-def test_cnn_demo_trains_in_fp32_and_amp(monkeypatch, capsys):
+def test_digits_are_scikit_learns_split_stratified():
+    train_x, train_y, test_x, test_y = cnn_classifier.load_digits()
+    assert train_x.shape == (1198, 1, 8, 8) and test_x.shape == (599, 1, 8, 8)
+    assert train_x.dtype == np.float32 and 0.0 <= train_x.min() and train_x.max() <= 1.0
+    # Every digit is held out in proportion: a third of its images, give or take one.
+    per_digit = np.bincount(np.concatenate([train_y, test_y]), minlength=10)
+    assert np.abs(np.bincount(test_y, minlength=10) - per_digit / 3).max() <= 1
+    again = cnn_classifier.load_digits()
+    np.testing.assert_array_equal(again[3], test_y)  # the split is fixed by the seed
+
+
+def test_cnn_demo_trains_fp32_and_amp_in_turn_and_plots(monkeypatch, capsys, tmp_path):
     calls = count_calls(monkeypatch, cnn_classifier, "train_step")
-    results = cnn_classifier.main(TINY_CNN + ["--demo"])
+    plot = tmp_path / "curves.png"
+    results = cnn_classifier.main(TINY_CNN + ["--demo", "--plot", str(plot)])
     backend = amp.get_backend()
     default_dtype = "float16" if backend.cuda_available() else CPU_DEFAULT_DTYPE[backend.name]
 
-    assert len(calls) == 60  # both runs went through the one step function
+    # Both runs went through the one step function, 3 epochs of 256 // 32 steps each,
+    # alternating by epoch: fp32 first in epoch 1, AMP first in epoch 2.
+    assert len(calls) == 2 * 3 * 8
+    scalers = [c[0][3] for c in calls]
     fp32, mixed = results["fp32"], results["AMP"]
+    assert [s.is_enabled() for s in scalers[::8]] == [False, True, True, False, False, True]
     for r in (fp32, mixed):
         assert_learned(r["losses"], 0.6)
+        assert len(r["accuracies"]) == 3 and len(r["epoch_seconds"]) == 3
         assert r["accuracy"] > 0.5
+    # The same start and the same batches: the first losses agree to AMP's precision.
+    assert abs(fp32["losses"][0] - mixed["losses"][0]) < 0.02 * fp32["losses"][0]
     assert fp32["compute_dtype"] == "float32"
     assert mixed["compute_dtype"] == default_dtype
     assert fp32["scaler"]["enabled"] is False
     assert mixed["scaler"]["enabled"] is True
-    assert mixed["scaler"]["steps"] == 30
-    assert mixed["scaler"]["skipped_steps"] < 30
-    table = capsys.readouterr().out
-    assert "held-out accuracy" in table and "skipped steps" in table
+    assert mixed["scaler"]["steps"] == 24
+    assert mixed["scaler"]["skipped_steps"] < 24
+    out = capsys.readouterr().out
+    assert "held-out accuracy" in out and "skipped steps" in out
+    assert "throughput vs fp32" in out
+    ratio = cnn_classifier.throughput_ratio(results)
+    assert f"AMP trained at {ratio['median']:.2f}x the throughput of fp32" in out
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_ratio_is_per_epoch_and_skips_the_first():
+    results = {"fp32": {"epoch_seconds": [9.0, 2.0, 2.0, 3.0]},
+               "AMP": {"epoch_seconds": [1.0, 1.0, 4.0, 1.0]}}
+    ratio = cnn_classifier.throughput_ratio(results)
+    # fp32 time / AMP time for epochs 2..4: 2.0, 0.5, 3.0
+    assert ratio["n"] == 3 and ratio["median"] == 2.0
+    assert ratio["q1"] == 1.25 and ratio["q3"] == 2.5
+
+
+@pytest.mark.parametrize("q1, q3, verdict", [
+    (1.1, 1.3, "AMP was faster here."),
+    (0.6, 0.9, "AMP was slower here."),
+    (0.9, 1.1, "neither was clearly faster"),
+])
+def test_throughput_verdict_follows_from_the_quartiles(q1, q3, verdict):
+    text = cnn_classifier.throughput_verdict(
+        {"median": (q1 + q3) / 2, "q1": q1, "q3": q3, "n": 9})
+    assert verdict in text
+    assert f"quartiles {q1:.2f}-{q3:.2f}" in text
+    assert sum(v in text for v in ("faster here", "slower here", "neither")) == 1
 
 
 @pytest.mark.parametrize("kind, says", [
@@ -114,8 +160,8 @@ def test_cnn_demo_trains_in_fp32_and_amp(monkeypatch, capsys):
     ("nan", "the model's input holds inf/NaN in sample(s) 0: bad data, not precision"),
 ])
 def test_cnn_planted_overflow_is_skipped_and_explained(capsys, kind, says):
-    r = cnn_classifier.main(["--steps", "6", "--batch-size", "16", "--train-size", "64",
-                             "--test-size", "16", "--width", "2", "--no-progress",
+    r = cnn_classifier.main(["--epochs", "2", "--batch-size", "16", "--train-size", "48",
+                             "--width", "2", "--no-progress",
                              "--plant", kind, "--plant-step", "3"])
     out = capsys.readouterr().out
     planted = [line for line in out.splitlines()
@@ -126,8 +172,8 @@ def test_cnn_planted_overflow_is_skipped_and_explained(capsys, kind, says):
 
 
 def test_cnn_float16_on_request(fw):
-    r = cnn_classifier.train(dtype="float16", steps=3, batch_size=8, train_size=64,
-                             test_size=16, width=2)
+    r = cnn_classifier.train(dtype="float16", epochs=1, batch_size=8, train_size=24,
+                             width=2)
     assert r["compute_dtype"] == "float16"
     assert all(math.isfinite(x) for x in r["losses"])
     assert r["scaler"]["steps"] == 3
@@ -190,8 +236,8 @@ def test_grad_accumulation_equals_one_big_batch_in_fp32(fw):
 
 def test_fp32_baseline_is_the_cnn_step_with_amp_off_and_equals_a_plain_loop(
         monkeypatch, fw):
-    argv = ["--steps", "10", "--batch-size", "16", "--train-size", "64", "--test-size",
-            "32", "--width", "4", "--no-progress"]
+    argv = ["--epochs", "2", "--batch-size", "16", "--train-size", "80", "--width", "4",
+            "--no-progress"]
     r = fp32_baseline.main(argv)
     assert r["train_step"] is cnn_classifier.train_step
     assert r["scaler"]["enabled"] is False and r["scaler"]["steps"] == 0

@@ -56,7 +56,7 @@ def _policy_on() -> bool:
 # the input); and MegEngine 1.13's float16 max pooling on CPU returns wrong values for
 # almost every output, so it runs in float32 there and hands back float16.
 def _softmax_fp32(orig: Callable) -> Callable:
-    def softmax(inp, axis=None):
+    def softmax(inp: Any, axis: Any = None) -> Any:
         if _policy_on() and _is_low(inp.dtype):
             inp = inp.astype("float32")
         return orig(inp, axis)
@@ -65,7 +65,7 @@ def _softmax_fp32(orig: Callable) -> Callable:
 
 
 def _sum_fp32(orig: Callable) -> Callable:
-    def sum(self, axis=None, keepdims: bool = False):  # noqa: A001 - a Tensor method
+    def sum(self: Any, axis: Any = None, keepdims: bool = False) -> Any:  # noqa: A001
         if _policy_on() and _is_low(self.dtype):
             self = self.astype("float32")
         return orig(self, axis, keepdims)
@@ -74,7 +74,7 @@ def _sum_fp32(orig: Callable) -> Callable:
 
 
 def _batch_norm_follows_input(orig: Callable) -> Callable:
-    def batch_norm(inp, *args, **kwargs):
+    def batch_norm(inp: Any, *args: Any, **kwargs: Any) -> Any:
         if _policy_on() and not _is_low(inp.dtype):
             # MegEngine's C++ autocast casts BatchNorm to float16; run it without.
             saved = _set_autocast(False)
@@ -96,7 +96,7 @@ def _on_cpu(t: Any) -> bool:
 
 
 def _max_pool_in_fp32_on_cpu(orig: Callable) -> Callable:
-    def max_pool(inp, *args, **kwargs):
+    def max_pool(inp: Any, *args: Any, **kwargs: Any) -> Any:
         if _policy_on() and _is_low(inp.dtype) and _on_cpu(inp):
             return orig(inp.astype("float32"), *args, **kwargs).astype(inp.dtype)
         return orig(inp, *args, **kwargs)
@@ -106,7 +106,7 @@ def _max_pool_in_fp32_on_cpu(orig: Callable) -> Callable:
 
 def _avg_pool_fp32(orig: Callable) -> Callable:
     # Also sidesteps MegEngine's float16 adaptive_avg_pool2d, wrong on small CPU inputs.
-    def avg_pool(inp, *args, **kwargs):
+    def avg_pool(inp: Any, *args: Any, **kwargs: Any) -> Any:
         if _policy_on() and _is_low(inp.dtype):
             inp = inp.astype("float32")
         return orig(inp, *args, **kwargs)
@@ -400,7 +400,9 @@ class MegEngineBackend:
 
     def copy_params(self, dst: Sequence[Any], src: Sequence[Any]) -> None:
         for d, s in zip(dst, src):
-            d._reset(self.cast(s, self.dtype_name(d.dtype)))
+            dtype = self.dtype_name(d.dtype)
+            assert dtype is not None  # a parameter's dtype is always a numpy one
+            d._reset(self.cast(s, dtype))
 
     def skipped_step_result(self, optimizer: Any) -> Any:
         return optimizer  # MegEngine's step() returns self: opt.step().clear_grad()

@@ -6,7 +6,7 @@ import collections
 import math
 import threading
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ _library: torch.library.Library | None = None
 _installed: set[str] = set()  # device types whose kernels are registered
 
 
-def _fp32_kernel(op: Any, key: str):
+def _fp32_kernel(op: Any, key: str) -> Callable[..., Any]:
     excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -207,7 +207,10 @@ def _check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
     """The same, as one flag on ``found_on`` (default: the first gradient's device)."""
     found = list(_check_and_unscale_per_device(grads, inv_scale).values())
     target = found_on or found[0].device
-    return sum(f.to(target, non_blocking=True) for f in found)
+    total = found[0].to(target, non_blocking=True)
+    for f in found[1:]:
+        total = total + f.to(target, non_blocking=True)
+    return total
 
 
 def _by_device(flags: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
@@ -238,20 +241,22 @@ class _DeviceScale:
     def scale(self, y: torch.Tensor) -> torch.Tensor:
         return y * self.scale_t.to(y.device, non_blocking=True)
 
-    def scaled_cotangents(self, ys, dys):
+    def scaled_cotangents(self, ys: Sequence[torch.Tensor],
+                          dys: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         if dys is None:
             return [torch.ones_like(y) * self.scale_t.to(y.device) for y in ys]
         return [dy * self.scale_t.to(dy.device, non_blocking=True) for dy in dys]
 
-    def unscale_and_check(self, grads):
+    def unscale_and_check(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         # the reciprocal in float64, as torch.amp does
         inv = self.scale_t.double().reciprocal().float()
         return _check_and_unscale(grads, inv, self.device)
 
-    def check(self, grads):
+    def check(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         return _check_and_unscale(grads, 1.0, self.device)
 
-    def step(self, optimizer, unscale: bool, flags, args, kwargs):
+    def step(self, optimizer: Any, unscale: bool, flags: Sequence[torch.Tensor],
+             args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         # The attributes torch's fused optimizers read, set as torch.amp sets them: a
         # grad_scale the user preset multiplies ours, or stands alone once the gradients
         # were unscaled; both attributes are removed after the step.
@@ -267,14 +272,16 @@ class _DeviceScale:
             del optimizer.grad_scale
             del optimizer.found_inf
 
-    def _combine(self, flags, found_host: bool = False) -> torch.Tensor:
+    def _combine(self, flags: Sequence[torch.Tensor], found_host: bool = False
+                 ) -> torch.Tensor:
         found = torch.full((), float(found_host), dtype=torch.float32, device=self.device)
         for f in flags:
             found = found + f.to(self.device, non_blocking=True)
         return found
 
-    def update(self, found_host, flags, growth, backoff, interval, *, steps, count,
-               new_scale):
+    def update(self, found_host: bool, flags: Sequence[torch.Tensor], growth: float,
+               backoff: float, interval: int, *, steps: int, count: bool,
+               new_scale: float | None) -> None:
         found = self._combine(flags, found_host)
         if new_scale is not None:
             self.scale_t.fill_(new_scale)
@@ -305,7 +312,7 @@ class _DeviceScale:
                                    or self._in_flight[0][2].query()):
             self._latest = self._in_flight.popleft()
 
-    def poll(self):
+    def poll(self) -> tuple[int, float, int, int, bool] | None:
         """The newest snapshot whose copy has landed, or None; never waits."""
         self._drain()
         if self._latest is None:
@@ -418,7 +425,11 @@ class TorchBackend:
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float,
                        norm_type: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        # Under FSDP2 the norm is a DTensor; torch 2.7 and 2.8 read its float as this rank's
+        # local part, so ask for the global value explicitly.
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full is not None else norm)
 
     # -- loss scaling -----------------------------------------------------------------
     def _scale_tensor(self, scale: float, device: torch.device) -> torch.Tensor:
@@ -580,8 +591,9 @@ class TorchBackend:
         if not pairs:
             return
         bufs = [torch.empty_like(m) for _, m in pairs]
+        grads = [g for p, _ in pairs if (g := p.grad) is not None]  # all, as above
         with torch.no_grad():
-            torch._foreach_copy_(bufs, [p.grad for p, _ in pairs])  # cast, fused
+            torch._foreach_copy_(bufs, grads)  # cast, fused
         for (p, m), buf in zip(pairs, bufs):
             m.grad = buf
             p.grad = None
@@ -673,8 +685,10 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
             return torch.device(self._device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+    # torch.amp's scaler keeps these as plain attributes; here they are read-only views
+    # of the core's state, on purpose (docs/DROP_IN.md), hence the ignored overrides.
     @property
-    def _scale(self) -> torch.Tensor | None:
+    def _scale(self) -> torch.Tensor | None:  # type: ignore[override]
         """The scale as a float32 0-dim tensor (a copy, except in device mode)."""
         if not self._enabled:
             return None
@@ -684,7 +698,7 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
                           device=self._torch_device())
 
     @property
-    def _growth_tracker(self) -> torch.Tensor | None:
+    def _growth_tracker(self) -> torch.Tensor | None:  # type: ignore[override]
         if not self._enabled:
             return None
         if self._dev is not None:
@@ -707,11 +721,15 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
                 flags.append(torch.full((), float(check.found), device=self._torch_device()))
         return flags
 
-    def _found_inf_per_device(self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
+    # torch annotates these two as dict[str, Any]; its own implementation, which these
+    # mirror, keys them by torch.device.
+    def _found_inf_per_device(  # type: ignore[override]
+            self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
         state = self._opt_states.get(id(optimizer))
         return _by_device(self._flags_of(state.checks if state is not None else []))
 
-    def _check_inf_per_device(self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
+    def _check_inf_per_device(  # type: ignore[override]
+            self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
         # What optimizers with the older step(grad_scaler=...) contract call: check
         # without unscaling (they unscale inside), counted by the next update().
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -720,7 +738,7 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
         return self._found_inf_per_device(optimizer)
 
     @property
-    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:  # type: ignore[override]
         """A read-only snapshot in torch.amp's shape (writing to it changes nothing)."""
         stages = {_core._Stage.READY: OptState.READY, _core._Stage.UNSCALED: OptState.UNSCALED,
                   _core._Stage.STEPPED: OptState.STEPPED}

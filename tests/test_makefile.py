@@ -1,0 +1,55 @@
+"""The Makefile's handling of backend names, checked without building anything: an
+unknown name fails with the library's own message before any environment is made, and
+one backend can be tested without the other's environment."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def make(*args: str, **env: str) -> subprocess.CompletedProcess:
+    # Not the settings of a `make` that may be running this suite.
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES",
+                          "UNIFIED_AMP_BACKEND", "BACKENDS")}
+    clean.update(env)
+    return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), *args],
+                          env=clean, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("target", ["demo", "bench"])
+def test_unknown_backend_stops_with_the_librarys_message(target):
+    proc = make(target, UNIFIED_AMP_BACKEND="tensorflow")
+    assert proc.returncode != 0
+    assert ("Unknown unified_amp backend 'tensorflow' (from the UNIFIED_AMP_BACKEND"
+            " environment variable). Valid names: 'megengine', 'torch'.") in proc.stderr
+    assert "No rule to make target" not in proc.stderr
+    assert "setting up" not in proc.stdout  # nothing was installed
+
+
+def test_unknown_name_in_backends_stops_make_test():
+    proc = make("test", BACKENDS="torch jax")
+    assert proc.returncode != 0
+    assert "Unknown unified_amp backend 'jax' (from make test BACKENDS=...)" in proc.stderr
+    assert "setting up" not in proc.stdout
+
+
+def test_names_are_matched_without_case_as_the_library_does():
+    proc = make("-n", "demo", UNIFIED_AMP_BACKEND=" TORCH ")
+    assert proc.returncode == 0, proc.stderr
+    assert "UNIFIED_AMP_BACKEND=torch " in proc.stdout
+    assert ".venv-torch/bin/python -m examples.cnn_classifier --demo" in proc.stdout
+
+
+def test_backends_torch_needs_nothing_of_megengine():
+    proc = make("-n", "test", "BACKENDS=torch", "PY_MGE=/no/python3.10")
+    assert proc.returncode == 0, proc.stderr
+    assert "for b in torch;" in proc.stdout
+    assert ".venv-megengine" not in proc.stdout and "/no/python3.10" not in proc.stdout
