@@ -1,5 +1,6 @@
 # unified_amp: one virtual environment per backend, made on first use and then reused.
-#   make test                  set up both environments and run the whole suite on both backends
+#   make test                  set up both environments, run the whole suite on both backends,
+#                              and mypy on unified_amp/
 #   make test BACKENDS=torch   one backend only (torch needs no CPython 3.10 and no MegEngine)
 #   make test-oldest           the suite on the oldest supported torch (a ~2.5 GB CUDA build)
 #   make demo                  fp32 vs AMP on scikit-learn's digits, on $UNIFIED_AMP_BACKEND
@@ -99,8 +100,15 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; } | tee $(LOGDIR)/$$b.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	done; \
+	typed="skipped (no torch environment in BACKENDS)"; \
+	if [ -x $(VENV_torch)/bin/python ] && [[ " $(TEST_BACKENDS) " == *" torch "* ]]; then \
+	  echo; echo "================ mypy on unified_amp/ ================"; \
+	  $(VENV_torch)/bin/python -m mypy 2>&1 | tee $(LOGDIR)/mypy.log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; typed="$$(tail -1 $(LOGDIR)/mypy.log)"; \
+	fi; \
 	echo; echo "================ summary ================"; \
 	for b in $(TEST_BACKENDS); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/$$b.log | tail -1 | tr -d '=')"; done; \
+	printf '%-10s %s\n' "mypy:" "$$typed"; \
 	exit $$status
 
 # Not part of `make test`: it downloads a CUDA build of torch. Run it when the torch

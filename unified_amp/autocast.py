@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Any, overload
+from typing import Any, Callable, TypeVar, cast, overload
 
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
 
 __all__ = ["autocast", "is_autocast_enabled"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _DEVICES = ("cpu", "cuda")
 _ALIASES = {"float16": "float16", "half": "float16", "fp16": "float16",
@@ -165,13 +167,13 @@ class autocast:
         backend, token = self._tokens.pop()
         backend.exit_autocast(token)
 
-    def __call__(self, func):
+    def __call__(self, func: _F) -> _F:
         @functools.wraps(func)
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             with self:
                 return func(*args, **kwargs)
 
-        return wrapper
+        return cast(_F, wrapper)
 
     def __repr__(self) -> str:
         return (f"autocast(enabled={self.enabled}, dtype={self.dtype!r}, device={self.device!r},"

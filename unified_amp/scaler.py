@@ -35,7 +35,7 @@ import math
 import struct
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any, overload
+from typing import Any, Sequence, overload
 
 from . import distributed
 from ._ledger import MIXED, Check, GradLedger
@@ -168,7 +168,7 @@ def _device_of_call(args: tuple, kwargs: dict) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_grad_scaler_kwarg(optimizer_class: type) -> bool:
+def _takes_grad_scaler_kwarg(optimizer_class: Any) -> bool:
     # torch's older contract for optimizers that unscale themselves: the scaler passes
     # itself as step(grad_scaler=...). Asked once per class: inspect.signature is slow.
     try:
@@ -380,7 +380,7 @@ class GradScaler:
                 f" the loss itself."
             )
 
-    def _check(self, params: list[Any], *, idle: list[Any] = (), agreement: Any = False,
+    def _check(self, params: list[Any], *, idle: Sequence[Any] = (), agreement: Any = False,
                unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
         """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
         them too unless a fused optimizer will. ``read`` reads the verdict at once (the
@@ -615,7 +615,7 @@ class GradScaler:
                 " scaler.update() once per iteration, after stepping every optimizer."
             )
         if getattr(optimizer, "_step_supports_amp_scaling", False) and \
-                _takes_grad_scaler_kwarg(type(optimizer)):
+                _takes_grad_scaler_kwarg(optimizer.__class__):
             # The optimizer unscales and checks by itself, asking this scaler.
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the"
