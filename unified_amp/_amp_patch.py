@@ -77,7 +77,7 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
                 seen.add(id(p))
                 pairs.append((p, snapshots[id(p)]))
         if pairs:
-            backend.replace_params(opt, pairs)
+            _replace_params(opt, pairs, backend.optimizer_state(opt))
         info = _OptimizerAmp(state, opt, pairs)
         setattr(opt, _OPT_ATTR, info)
         if props.scales_loss or pairs:
@@ -85,6 +85,18 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
         if pairs:
             opt.state_dict = types.MethodType(_amp_state_dict, opt)
             opt.load_state_dict = types.MethodType(_amp_load_state_dict, opt)
+
+
+def _replace_params(optimizer: Any, pairs: list[tuple[Any, Any]],
+                    per_param_state: Any) -> None:
+    """Puts each ``new`` in place of ``old`` in the optimizer's param_groups and its
+    per-parameter state (both frameworks spell param_groups the same way)."""
+    new = {id(old): master for old, master in pairs}
+    for group in optimizer.param_groups:
+        group["params"] = [new.get(id(p), p) for p in group["params"]]
+    for old, master in pairs:
+        if old in per_param_state:
+            per_param_state[master] = per_param_state.pop(old)
 
 
 def info_of(optimizer: Any) -> "_OptimizerAmp | None":

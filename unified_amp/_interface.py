@@ -129,9 +129,9 @@ class Backend(Protocol):
     def master_copy(self, param: Any) -> Any:
         """A new float32 leaf parameter holding ``param``'s values, on its device."""
 
-    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
-        """Puts ``new`` in place of ``old`` for each ``(old, new)`` in the optimizer's
-        param_groups and per-parameter state."""
+    def optimizer_state(self, optimizer: Any) -> Any:
+        """The optimizer's per-parameter state: a mutable mapping keyed by parameter
+        (torch's ``optimizer.state``, MegEngine's ``optimizer._state``)."""
 
     def take_grads(self, params: Sequence[Any]) -> list[Any]:
         """Each parameter's gradient (or None), in order; leaves them all None."""

@@ -373,13 +373,8 @@ class MegEngineBackend:
     def master_copy(self, param: Any) -> Any:
         return megengine.Parameter(param.astype("float32"))
 
-    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
-        new = {id(old): master for old, master in pairs}
-        for group in optimizer.param_groups:
-            group["params"] = [new.get(id(p), p) for p in group["params"]]
-        for old, master in pairs:
-            if old in optimizer._state:
-                optimizer._state[master] = optimizer._state.pop(old)
+    def optimizer_state(self, optimizer: Any) -> Any:
+        return optimizer._state
 
     def take_grads(self, params: Sequence[Any]) -> list[Any]:
         grads = [p.grad for p in params]

@@ -557,13 +557,8 @@ class TorchBackend:
     def master_copy(self, param: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
 
-    def replace_params(self, optimizer: Any, pairs: Sequence[tuple[Any, Any]]) -> None:
-        new = {id(old): master for old, master in pairs}
-        for group in optimizer.param_groups:
-            group["params"] = [new.get(id(p), p) for p in group["params"]]
-        for old, master in pairs:
-            if old in optimizer.state:
-                optimizer.state[master] = optimizer.state.pop(old)
+    def optimizer_state(self, optimizer: Any) -> Any:
+        return optimizer.state
 
     def take_grads(self, params: Sequence[torch.Tensor]) -> list[Any]:
         grads = [p.grad for p in params]
