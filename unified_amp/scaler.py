@@ -41,7 +41,7 @@ from . import distributed
 from ._ledger import MIXED, Check, GradLedger
 from .forensics import Forensics, OverflowReport
 from ._registry import get_backend
-from ._targets import is_optimizer, params_of
+from ._targets import _short, is_optimizer, params_of
 
 __all__ = ["GradScaler", "next_scale"]
 
@@ -1000,7 +1000,3 @@ def _numel(t: Any) -> int:
         n *= int(d)
     return n
 
-
-def _short(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -15,6 +15,7 @@ import pytest
 
 import unified_amp as amp
 
+from ..spies import record_calls
 from .loops import bits
 
 
@@ -162,19 +163,6 @@ def patch_reads(monkeypatch, kit, log):
         monkeypatch.setattr(cls, name, spy)
 
 
-def patch_adapter(monkeypatch, backend, log):
-    for name in dir(backend):
-        method = getattr(backend, name)
-        if name.startswith("_") or not callable(method):
-            continue
-
-        def spy(*args, _name=name, _method=method, **kwargs):
-            log.append(_name)
-            return _method(*args, **kwargs)
-
-        monkeypatch.setattr(backend, name, spy)
-
-
 CLEAN = CASES["clean"][0]
 FORENSIC = {"nonfinite_counts", "finite_flag", "read_finite_flags"}
 
@@ -190,7 +178,7 @@ def test_a_clean_step_does_no_extra_device_work(kit, device, backend, monkeypatc
         if watched:
             scaler.watch(model)
         log = []
-        patch_adapter(monkeypatch, backend, log)
+        record_calls(monkeypatch, backend, log)
         patch_reads(monkeypatch, kit, log)
         for _ in range(3):
             one_step(kit, device, scaler, model, "clean", style)
@@ -207,7 +195,7 @@ def test_tracing_reads_nothing_back_on_a_clean_step(kit, device, backend, monkey
     scaler = amp.GradScaler(init_scale=1024.0)
     log = []
     with amp.trace_forward(model):
-        patch_adapter(monkeypatch, backend, log)
+        record_calls(monkeypatch, backend, log)
         for _ in range(2):
             one_step(kit, device, scaler, model, "clean", "megengine-style")
         monkeypatch.undo()

@@ -11,6 +11,7 @@ import pytest
 import unified_amp as amp
 from unified_amp import forensics
 
+from ..spies import record_calls
 from .fake_backend import NamedModule, FakeOptimizer, FakeTensor
 
 INF, NAN = math.inf, math.nan
@@ -124,20 +125,6 @@ def test_history_keeps_the_newest_reports(fake, net):
 
 
 # -- no cost on a clean step -------------------------------------------------------------
-def record_calls(monkeypatch, backend):
-    """Logs the name of every adapter method the core calls."""
-    log = []
-    for name in dir(backend):
-        method = getattr(backend, name)
-        if name.startswith("_") or not callable(method):
-            continue
-
-        def spy(*args, _name=name, _method=method, **kwargs):
-            log.append(_name)
-            return _method(*args, **kwargs)
-
-        monkeypatch.setattr(backend, name, spy)
-    return log
 
 
 @pytest.mark.parametrize("form", ["torch", "megengine"])
