@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import math
-import threading
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
@@ -15,23 +14,11 @@ from torch.amp.grad_scaler import OptState
 from unified_amp import scaler as _core
 from unified_amp.errors import UnsupportedPrecisionError
 
+from . import _torch_contract as _contract
+
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _ALL_DTYPES = dict(_DTYPES, float32=torch.float32)
 _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm
-_LOW = (torch.float16, torch.bfloat16)
-
-# Ops the dtype contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md).
-# Where torch's autocast already has a kernel for an (op, device) pair -- on CUDA it puts
-# softmax, log_softmax, sum, exp, log and layer_norm in float32 -- we leave it alone; where
-# it falls through (all of these on CPU; mean and average pooling on CUDA), a float16
-# input would give a float16 output, so we register a kernel on that device's Autocast
-# key.
-_FP32_OPS = (
-    "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "mean", "mean.dim",
-    "exp", "log", "layer_norm", "avg_pool2d", "adaptive_avg_pool2d",
-)
-_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
-
 
 _DTensor: Any = None
 
@@ -44,58 +31,6 @@ def _dtensor_class() -> type:
 
         _DTensor = DTensor
     return _DTensor
-
-
-class _Policy(threading.local):
-    """Whether the innermost unified autocast block of this thread is enabled.
-
-    The registered kernels consult it so that plain ``torch.autocast`` (not ours) keeps
-    torch's own behaviour even after this adapter is loaded.
-    """
-
-    def __init__(self) -> None:
-        self.stack: list[bool] = []
-
-    @property
-    def on(self) -> bool:
-        return bool(self.stack) and self.stack[-1]
-
-
-_policy = _Policy()
-_library: torch.library.Library | None = None
-_installed: set[str] = set()  # device types whose kernels are registered
-
-
-def _fp32_kernel(op: Any, key: str) -> Callable[..., Any]:
-    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        if _policy.on:
-            args = tuple(
-                a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a
-                for a in args
-            )
-        with torch._C._ExcludeDispatchKeyGuard(excluded):
-            return op(*args, **kwargs)
-
-    return kernel
-
-
-def _install_policy(device_type: str) -> None:
-    """Registers the float32 kernels for one device type, once per process."""
-    global _library
-    if device_type in _installed:
-        return
-    _installed.add(device_type)
-    key = _AUTOCAST_KEYS[device_type]
-    if _library is None:
-        _library = torch.library.Library("aten", "IMPL")
-    for name in _FP32_OPS:
-        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
-            continue
-        base, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, base), overload or "default")
-        _library.impl(name, _fp32_kernel(op, key), key)
 
 
 class _Tape:
@@ -336,9 +271,6 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        # The dtype-contract kernels are installed by the first enabled unified autocast
-        # block, not here: a drop-in user who only swaps GradScaler never gets them, so
-        # plain torch.autocast keeps its exact dispatch path and speed.
         self._scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
 
     # -- devices and dtypes -----------------------------------------------------------
@@ -378,22 +310,12 @@ class TorchBackend:
 
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
                        contract: bool = True) -> Any:
-        contexts = []
-        for dev in self._devices(device):
-            if enabled and contract:
-                _install_policy(dev)
-            ctx = torch.autocast(
-                dev, dtype=_DTYPES[dtype or self._default_dtype(dev)], enabled=enabled
-            )
-            ctx.__enter__()
-            contexts.append(ctx)
-        _policy.stack.append(enabled and contract)
-        return contexts
+        devices = self._devices(device)
+        dtypes = [_DTYPES[dtype or self._default_dtype(dev)] for dev in devices]
+        return _contract.enter(devices, dtypes, enabled, contract)
 
     def exit_autocast(self, token: Any) -> None:
-        _policy.stack.pop()
-        for ctx in reversed(token):
-            ctx.__exit__(None, None, None)
+        _contract.exit(token)
 
     def is_autocast_enabled(self) -> bool:
         return any(torch.is_autocast_enabled(dev) for dev in self._devices(None))
@@ -665,12 +587,32 @@ class TorchBackend:
         return TorchCudaGradScaler if cuda else TorchGradScaler
 
 
+# The scaler's public methods keep host state (the scale as a Python float, the ledger,
+# per-optimizer stages) and read device flags: inside a function that torch.compile
+# traces they run eagerly, as dynamo runs torch.amp.GradScaler's host reads, instead of
+# being traced into a graph whose side effects dynamo would replay out of order (the
+# fused optimizers' grad_scale attribute set and deleted around opt.step()).
+_HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get_scale",
+              "stats", "state_dict", "load_state_dict", "watch", "last_overflow")
+
+
+def _run_eagerly(cls: type) -> type:
+    for name in _HOST_SIDE:
+        setattr(cls, name, torch.compiler.disable(getattr(_core.GradScaler, name)))
+    factor = _core.GradScaler.scale_factor  # megengine.amp's spelling: a property
+    cls.scale_factor = property(torch.compiler.disable(factor.fget),  # type: ignore[attr-defined]
+                                torch.compiler.disable(factor.fset), doc=factor.__doc__)
+    return cls
+
+
+@_run_eagerly
 class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
     """``unified_amp.GradScaler`` on the torch backend; also a ``torch.amp.GradScaler``.
 
     All behaviour is the core's (torch.amp's ``__init__`` never runs). The private
     attributes below are the ones code in the wild reads from torch.amp's scaler
     (docs/DROP_IN.md lists them); each is derived from the core's state on demand.
+    Its public methods run eagerly inside ``torch.compile`` (``_HOST_SIDE``).
     """
 
     def _torch_device(self) -> torch.device:

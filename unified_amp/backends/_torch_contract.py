@@ -1,0 +1,140 @@
+"""The torch adapter's autocast: torch's own autocast plus the dtype contract, both in a
+form that ``torch.compile`` traces (docs/COMPILE.md).
+
+The contract is a ``TorchFunctionMode`` on torch's function-mode stack rather than a
+Python flag read inside dispatcher kernels. Dynamo guards on that stack and inlines the
+mode's ``__torch_function__``, so the float32 casts become ordinary nodes of the captured
+graph: a graph traced with the contract differs from one traced without it, in dynamo's
+cache, AOTAutograd's and inductor's (also on disk), and plain ``torch.autocast`` never
+sees the contract. Eagerly the mode does the same casts, so eager and compiled agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_LOW = (torch.float16, torch.bfloat16)
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+# The ops the contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md):
+# each aten op, and the Python spellings that reach it first.
+_SPELLINGS: dict[str, tuple[Any, ...]] = {
+    "softmax.int": (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax),
+    "log_softmax.int": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+                        torch.special.log_softmax),
+    "sum": (torch.sum, torch.Tensor.sum),
+    "mean": (torch.mean, torch.Tensor.mean),
+    "exp": (torch.exp, torch.Tensor.exp),
+    "log": (torch.log, torch.Tensor.log),
+    "layer_norm": (F.layer_norm, torch.layer_norm),
+    "avg_pool2d": (F.avg_pool2d,),
+    "adaptive_avg_pool2d": (F.adaptive_avg_pool2d,),
+}
+
+
+def _fp32_functions() -> dict[Any, frozenset[str]]:
+    """function -> the device types on which the contract must cast its inputs.
+
+    Where torch's autocast already runs an op in float32 on a device (on CUDA: softmax,
+    log_softmax, sum, exp, log, layer_norm) the contract adds nothing there, so a
+    compiled graph stays exactly torch.autocast's. Read once, at import, from torch's
+    own dispatcher table (nothing of ours is ever registered in it).
+    """
+    table: dict[Any, frozenset[str]] = {}
+    for op, functions in _SPELLINGS.items():
+        devices = frozenset(
+            dev for dev, key in _AUTOCAST_KEYS.items()
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key))
+        for fn in functions:
+            table[fn] = devices
+    return table
+
+
+_FP32 = _fp32_functions()
+
+
+def _up(value: Any, devices: frozenset[str]) -> Any:
+    """``value`` in float32 if it is a low-precision tensor on a device whose autocast
+    is on and where the contract applies; otherwise ``value`` itself."""
+    if (isinstance(value, torch.Tensor) and value.dtype in _LOW
+            and value.device.type in devices and torch.is_autocast_enabled(value.device.type)):
+        return value.float()
+    return value
+
+
+class ContractMode(TorchFunctionMode):
+    """Casts the low-precision inputs of the contract's float32 ops to float32.
+
+    Pushed by an enabled unified autocast block with ``contract=True`` (and popped by a
+    nested block that turns the contract off). Active only where torch's autocast is on
+    for the tensor's device, as a kernel on torch's Autocast key would be.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        devices = _FP32.get(func)
+        if devices:
+            args = tuple(_up(a, devices) for a in args)
+            kwargs = {k: v if k == "out" else _up(v, devices) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+# One instance serves every block: dynamo guards on the stack's mode types, and the
+# mode keeps no state.
+CONTRACT = ContractMode()
+
+
+class _Autocast(torch.amp.autocast_mode.autocast):
+    """``torch.autocast``, under a name dynamo does not special-case.
+
+    Dynamo traces ``torch.autocast`` only as the subject of a ``with`` statement; the
+    unified block enters and exits in two calls, so it enters this subclass, whose
+    ``__enter__``/``__exit__`` (torch's own) dynamo inlines into the autocast state
+    switches it tracks.
+    """
+
+
+def _top_is_contract() -> bool:
+    n = torch._C._len_torch_function_stack()
+    return n > 0 and isinstance(torch._C._get_function_stack_at(n - 1), ContractMode)
+
+
+def enter(devices: list[str], dtypes: list[torch.dtype], enabled: bool,
+          contract: bool) -> tuple[list[Any], str]:
+    """Enters torch's autocast on each device, then sets the contract for the block.
+
+    Returns the token ``exit`` takes: the autocast contexts and what was done to the
+    mode stack ("pushed", "popped" or "").
+    """
+    contexts = []
+    for dev, dtype in zip(devices, dtypes):
+        ctx = _Autocast(dev, dtype=dtype, enabled=enabled)
+        ctx.__enter__()
+        contexts.append(ctx)
+    want = enabled and contract
+    action = ""
+    if want and not _top_is_contract():
+        torch._C._push_on_torch_function_stack(CONTRACT)
+        action = "pushed"
+    elif not want and _top_is_contract():
+        # A block that turns the contract off inside one that has it.
+        torch._C._pop_torch_function_stack()
+        action = "popped"
+    return contexts, action
+
+
+def exit(token: tuple[list[Any], str]) -> None:
+    """Undoes ``enter``: the mode stack first, then autocast, innermost first."""
+    contexts, action = token
+    if action == "pushed":
+        torch._C._pop_torch_function_stack()
+    elif action == "popped":
+        torch._C._push_on_torch_function_stack(CONTRACT)
+    for ctx in reversed(contexts):
+        ctx.__exit__(None, None, None)
