@@ -29,9 +29,11 @@ Every place where the fake differs from a GPU machine is here, once, with the re
    themselves where a GPU run would call backward. Building an autograd graph on a CUDA
    leaf asks the C++ runtime for a CUDA device guard, which a CPU build lacks: the
    process aborts (``terminate``), it does not raise. For the same reason, module
-   cases (a BatchNorm's forward) run without a graph, and tensors are made with CUDA
-   factories (``empty``/``zeros`` with ``device="cuda"``), never ``.to("cuda")`` from
-   CPU data or ``copy_`` between CUDA tensors (those take the guard in C++ too).
+   cases (a BatchNorm's forward) run without a graph; autocast's cache of weight casts
+   is off in the block (it builds an autograd edge for a float32 weight that requires
+   grad even under ``no_grad``); and tensors are made with CUDA factories
+   (``empty``/``zeros`` with ``device="cuda"``), never ``.to("cuda")`` from CPU data or
+   ``copy_`` between CUDA tensors (those take the guard in C++ too).
 6. Batch norm runs without running statistics: updating them copies between CUDA
    tensors (5). The output dtype, which is what the contract fixes, does not depend
    on them in training mode.
@@ -133,10 +135,9 @@ class SyncCounter(TorchDispatchMode):
         if func is aten._local_scalar_dense.default:
             if args[0].device.type == "cuda":
                 self.count(f"item() of a {args[0].dtype} CUDA tensor")
-            if args[0].device.type != "cuda":
-                value = 1
-            else:
                 value = self.value(args[0]) if callable(self.value) else self.value
+            else:
+                value = 1
             if args[0].dtype == torch.bool:
                 return bool(value)
             return float(value) if args[0].dtype.is_floating_point else int(value)
@@ -163,7 +164,6 @@ class FakeCuda:
     def __init__(self, syncs: SyncCounter):
         self.syncs = syncs
         self.events_done = True  # bypass 4: whether recorded work has "finished"
-        self.mode: FakeTensorMode | None = None
 
     def tensor(self, shape, dtype=torch.float32):
         """A CUDA tensor of ``shape`` and ``dtype`` (made by a factory: bypass 5)."""
@@ -190,8 +190,8 @@ def fake_cuda(value=0):
     """A block in which ``device="cuda"`` tensors are fake and host syncs are counted.
 
     Args:
-        value: what every host read returns (``SyncCounter.value``); a callable gets
-            the tensor being read.
+        value: what every read of a CUDA tensor returns (``SyncCounter.value``); a
+            callable gets the tensor being read.
 
     Yields:
         FakeCuda: ``.syncs`` counts the syncs; ``.events_done`` drives CUDA events.
@@ -201,7 +201,7 @@ def fake_cuda(value=0):
     with contextlib.ExitStack() as stack:
         cache.clear()
         stack.callback(cache.clear)
-        fake.mode = stack.enter_context(_CpuBuildFakeMode())
+        stack.enter_context(_CpuBuildFakeMode())
         stack.enter_context(fake.syncs)  # innermost: sees each op before fake mode
         stack.enter_context(mock.patch.object(torch.cuda, "is_available", lambda: True))
         stack.enter_context(mock.patch.object(torch.cuda, "is_bf16_supported",
@@ -219,9 +219,9 @@ def fake_cuda(value=0):
         # bypass 5 again: autocast's cache of weight casts builds an autograd edge for a
         # float32 leaf that requires grad even under no_grad; torch.autocast blocks
         # entered inside inherit this setting.
-        cache = torch.is_autocast_cache_enabled()
+        weight_casts = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
-        stack.callback(torch.set_autocast_cache_enabled, cache)
+        stack.callback(torch.set_autocast_cache_enabled, weight_casts)
         yield fake
 
 
