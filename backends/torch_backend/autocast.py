@@ -1,12 +1,13 @@
-"""The torch adapter's autocast: torch's own autocast plus the dtype contract, both in a
-form that ``torch.compile`` traces (docs/COMPILE.md).
+"""Autocasting: torch.autocast per device, and the dtype contract, both in a form that
+``torch.compile`` traces (docs/COMPILE.md).
 
 The contract is a ``TorchFunctionMode`` on torch's function-mode stack rather than a
 Python flag read inside dispatcher kernels. Dynamo guards on that stack and inlines the
 mode's ``__torch_function__``, so the float32 casts become ordinary nodes of the captured
 graph: a graph traced with the contract differs from one traced without it, in dynamo's
-cache, AOTAutograd's and inductor's (also on disk), and plain ``torch.autocast`` never
-sees the contract. Eagerly the mode does the same casts, so eager and compiled agree.
+cache and in AOTAutograd's and inductor's (also on disk), and plain ``torch.autocast``
+never meets the contract. Eagerly the mode does the same casts, so eager and compiled
+code agree.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_LOW = (torch.float16, torch.bfloat16)
+from unified_amp.errors import UnsupportedPrecisionError
+
+from .basics import DTYPES, LOW, default_dtype, devices
+
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
 # The ops the contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md):
@@ -46,22 +50,22 @@ def _fp32_functions() -> dict[Any, frozenset[str]]:
     """
     table: dict[Any, frozenset[str]] = {}
     for op, functions in _SPELLINGS.items():
-        devices = frozenset(
+        where = frozenset(
             dev for dev, key in _AUTOCAST_KEYS.items()
             if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key))
         for fn in functions:
-            table[fn] = devices
+            table[fn] = where
     return table
 
 
 _FP32 = _fp32_functions()
 
 
-def _up(value: Any, devices: frozenset[str]) -> Any:
+def _up(value: Any, where: frozenset[str]) -> Any:
     """``value`` in float32 if it is a low-precision tensor on a device whose autocast
     is on and where the contract applies; otherwise ``value`` itself."""
-    if (isinstance(value, torch.Tensor) and value.dtype in _LOW
-            and value.device.type in devices and torch.is_autocast_enabled(value.device.type)):
+    if (isinstance(value, torch.Tensor) and value.dtype in LOW
+            and value.device.type in where and torch.is_autocast_enabled(value.device.type)):
         return value.float()
     return value
 
@@ -78,10 +82,10 @@ class ContractMode(TorchFunctionMode):
                            kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        devices = _FP32.get(func)
-        if devices:
-            args = tuple(_up(a, devices) for a in args)
-            kwargs = {k: v if k == "out" else _up(v, devices) for k, v in kwargs.items()}
+        where = _FP32.get(func)
+        if where:
+            args = tuple(_up(a, where) for a in args)
+            kwargs = {k: v if k == "out" else _up(v, where) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
 
@@ -105,15 +109,15 @@ def _top_is_contract() -> bool:
     return n > 0 and isinstance(torch._C._get_function_stack_at(n - 1), ContractMode)
 
 
-def enter(devices: list[str], dtypes: list[torch.dtype], enabled: bool,
-          contract: bool) -> tuple[list[Any], str]:
+def _enter(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
+           contract: bool) -> tuple[list[Any], str]:
     """Enters torch's autocast on each device, then sets the contract for the block.
 
-    Returns the token ``exit`` takes: the autocast contexts and what was done to the
+    Returns the token ``_exit`` takes: the autocast contexts and what was done to the
     mode stack ("pushed", "popped" or "").
     """
     contexts = []
-    for dev, dtype in zip(devices, dtypes):
+    for dev, dtype in zip(devs, dtypes):
         ctx = _Autocast(dev, dtype=dtype, enabled=enabled)
         ctx.__enter__()
         contexts.append(ctx)
@@ -129,8 +133,8 @@ def enter(devices: list[str], dtypes: list[torch.dtype], enabled: bool,
     return contexts, action
 
 
-def exit(token: tuple[list[Any], str]) -> None:
-    """Undoes ``enter``: the mode stack first, then autocast, innermost first."""
+def _exit(token: tuple[list[Any], str]) -> None:
+    """Undoes ``_enter``: the mode stack first, then autocast, innermost first."""
     contexts, action = token
     if action == "pushed":
         torch._C._pop_torch_function_stack()
@@ -138,3 +142,33 @@ def exit(token: tuple[list[Any], str]) -> None:
         torch._C._push_on_torch_function_stack(CONTRACT)
     for ctx in reversed(contexts):
         ctx.__exit__(None, None, None)
+
+
+class Autocasting:
+    """Switching autocast on and off, and which precisions a device computes."""
+
+    def check_precision(self, dtype: str | None, device: str | None) -> None:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedPrecisionError(
+                "autocast(device='cuda') was requested, but torch sees no CUDA device"
+                f" (torch {torch.__version__}). Use device='cpu' or device=None."
+            )
+        for dev in devices(device):
+            want = dtype or default_dtype(dev)
+            if dev == "cuda" and want == "bfloat16" and not torch.cuda.is_bf16_supported():
+                raise UnsupportedPrecisionError(
+                    f"autocast dtype 'bfloat16' is not supported by this CUDA device"
+                    f" ({torch.cuda.get_device_name()}); use dtype='float16'."
+                )
+
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                       contract: bool = True) -> Any:
+        devs = devices(device)
+        return _enter(devs, [DTYPES[dtype or default_dtype(dev)] for dev in devs], enabled,
+                      contract)
+
+    def exit_autocast(self, token: Any) -> None:
+        _exit(token)
+
+    def is_autocast_enabled(self) -> bool:
+        return any(torch.is_autocast_enabled(dev) for dev in devices(None))
