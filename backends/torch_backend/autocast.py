@@ -27,7 +27,8 @@ _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 # The ops the contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md):
 # each aten op, and the Python spellings that reach it first.
 _SPELLINGS: dict[str, tuple[Any, ...]] = {
-    "softmax.int": (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax),
+    "softmax.int": (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax,
+                    F.softmin),  # softmin: the softmax of -x, in one Python function
     "log_softmax.int": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
                         torch.special.log_softmax),
     "sum": (torch.sum, torch.Tensor.sum),
