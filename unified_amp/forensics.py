@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
 
+from . import _tracing
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
 
@@ -108,6 +109,9 @@ class OverflowReport:
         first_nonfinite: the first traced module with a non-finite output, or None.
         bad_samples: indices (along the batch dimension) of the traced model's input
             samples that held inf/NaN.
+        forward_in_trace: the forward ran inside a traced function
+            (``megengine.jit.trace``), whose outputs :func:`trace_forward` cannot read
+            back, so ``traced`` is False.
     """
 
     step: int
@@ -118,6 +122,7 @@ class OverflowReport:
     traced: bool
     first_nonfinite: NonFiniteOutput | None
     bad_samples: tuple[int, ...]
+    forward_in_trace: bool = False
 
     @property
     def cause(self) -> str:
@@ -179,7 +184,9 @@ class OverflowReport:
             where = "every traced forward output" if self.traced else "the loss"
             return (f"{where} was finite, so the scaled gradients overflowed in the"
                     f" backward pass; the scale backs off")
-        hint = "; amp.trace_forward(model) finds the layer"
+        hint = ("; the forward ran inside a traced function, where amp.trace_forward"
+                " cannot read its outputs: run one step untraced to find the layer"
+                if self.forward_in_trace else "; amp.trace_forward(model) finds the layer")
         if cause == "forward":
             return "the loss itself is inf/NaN, so the forward pass made it" + hint
         return "forward or backward pass, unknown without the loss" + hint
@@ -211,6 +218,7 @@ class OverflowReport:
             "first_nonfinite": None if first is None else
             {"module": first.module, "type": first.type, "dtype": first.dtype},
             "bad_samples": list(self.bad_samples),
+            "forward_in_trace": self.forward_in_trace,
             "cause": self.cause,
             "line": self.line(),
         }
@@ -313,6 +321,11 @@ class ForwardTrace:
 
     def _input_hook(self, module: Any, inputs: Any) -> None:
         backend = self._backend
+        if _tracing.mode(backend) is not None:
+            # Inside a trace a flag read back after a replay is not this call's value
+            # (it reads as finite); mark the forward unseen instead of flagging it.
+            _append(_Record(self, -1, "", None, True))
+            return
         for i, t in enumerate(_floating_tensors(inputs, backend)):
             if len(t.shape):
                 _append(_Record(self, i, backend.dtype_name(t.dtype),
@@ -322,6 +335,8 @@ class ForwardTrace:
         backend = self._backend
 
         def hook(module: Any, inputs: Any, outputs: Any) -> None:
+            if _tracing.mode(backend) is not None:
+                return  # see _input_hook
             for t in _floating_tensors(outputs, backend):
                 _append(_Record(self, index, backend.dtype_name(t.dtype),
                                 backend.finite_flag(t), False))
@@ -363,7 +378,8 @@ def trace_forward(model: Any) -> ForwardTrace:
 
 def _first_nonfinite(traces: list[ForwardTrace] | None = None
                      ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
-    records = [r for r in _records if traces is None or r.trace in traces]
+    records = [r for r in _records if r.flag is not None
+               and (traces is None or r.trace in traces)]
     if not records:
         return None, ()
     finite = records[0].trace._backend.read_finite_flags([r.flag for r in records])
@@ -507,12 +523,13 @@ class Forensics:
                 bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
                                        n_inf, n_nan))
         bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
-        traced = bool(_active or _records)
+        unseen = any(r.flag is None for r in _records)  # a forward inside a trace
+        traced = bool(_active or _records) and not unseen
         first, samples = _first_nonfinite() if traced else (None, ())
         report = OverflowReport(
             step=scaler._steps + 1, scale=scaler.get_scale(), loss=self._loss_value(),
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
-            first_nonfinite=first, bad_samples=samples)
+            first_nonfinite=first, bad_samples=samples, forward_in_trace=unseen)
         self.last = report
         if self.history.maxlen:
             self.history.append(report)

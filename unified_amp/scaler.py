@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Sequence, overload
 
-from . import distributed
+from . import _tracing, distributed
 from ._ledger import MIXED, Check, GradLedger
 from .forensics import Forensics, OverflowReport
 from ._registry import get_backend
@@ -280,12 +280,14 @@ class GradScaler:
         self._last_step_skipped = False
         self._as_of_step = 0  # the step the telemetry describes (lags only in device mode)
         self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
+        self._trace_copy: Any = None  # its copy of the scale for traced steps (_tracing.py)
         self._ledger = GradLedger()
         self._updated_by_backward = False  # the last update() was backward()'s own
         self._forensics = Forensics(self)  # overflow reports (forensics.py)
         # optimizer id -> the checks behind its last step after backward()'s update()
         self._tail: dict[int, list[Check]] = {}
         self._new_iteration()
+        self._mirror()
 
     # -- internals ----------------------------------------------------------------------
     def _be(self) -> Any:
@@ -325,6 +327,32 @@ class GradScaler:
             self._dev = backend.device_scale(optimizer, self._scale_value, self._tracker,
                                              self._skipped_steps)
         return True
+
+    def _traced(self, what: str) -> bool:
+        """Whether ``what`` runs inside a trace (_tracing.py), raising where it cannot
+        run there as it does eagerly. Inside one the scale lives on the device from
+        then on, starting from the copy kept current until then."""
+        backend = self._be()
+        if not _tracing.enter(backend, what, (self._growth_factor, self._backoff_factor)):
+            if self._dev is None and self._trace_copy is None:
+                self._mirror()  # after unpickling
+            return False
+        if self._dev is None:
+            self._dev = _tracing.take_copy(backend, what, self._trace_copy)
+        return True
+
+    def _mirror(self) -> None:
+        """Brings the adapter's trace copy of the scale up to date with the host's (a
+        trace can only use device state that is right when it starts)."""
+        if self._enabled and self._dev is None:
+            self._trace_copy = _tracing.mirror(self._be(), self._trace_copy,
+                                               self._scale_value, self._tracker,
+                                               self._skipped_steps)
+
+    def _refuse_in_trace(self, what: str, kind: str) -> None:
+        """Raises if ``what``, a call that needs the host, runs inside a trace."""
+        if self._enabled and _tracing.mode(self._be()) is not None:
+            raise _tracing.refuse(self._be(), what, kind)
 
     def _inv_scale(self) -> float:
         # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
@@ -471,6 +499,7 @@ class GradScaler:
         """``outputs`` (a tensor, or a list/tuple of tensors) times the current scale."""
         if not self._enabled:
             return outputs
+        self._traced("GradScaler.scale()")
         self._forensics.saw_loss(outputs)
         backend = self._be()
         watch = getattr(backend, "watch_backward", None)
@@ -529,6 +558,9 @@ class GradScaler:
         if not self._enabled:
             gm.backward(y, dy)
             return
+        if unscale_grad:
+            self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
+        self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
         ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
         if dy is None:
             dys = None
@@ -570,6 +602,7 @@ class GradScaler:
             ValueError: a gradient is float16.
         """
         if self._enabled:
+            self._refuse_in_trace("GradScaler.unscale()", "unscale")
             self._unscale(target, "unscale()", drop=True)
         return self
 
@@ -584,6 +617,7 @@ class GradScaler:
             RuntimeError: as ``unscale()``.
         """
         if self._enabled:
+            self._traced("GradScaler.unscale_()")
             self._unscale(optimizer, "unscale_()", drop=False)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -628,7 +662,10 @@ class GradScaler:
             result = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
             state.stage = _Stage.STEPPED
             return result
-        on_device = self._steps_on_device(optimizer)
+        # A fused optimizer skips on the device by itself; inside a trace the adapter's
+        # device scale skips for any optimizer (_tracing.py).
+        fused = self._steps_on_device(optimizer)
+        on_device = fused or self._traced("GradScaler.step()")
         params = params_of(optimizer, self._be(), "GradScaler.step()")
         pending, done, idle = self._split(params)
         if state.stage is _Stage.READY and not pending and done and not any(
@@ -648,14 +685,14 @@ class GradScaler:
             distributed.require_synced(self._be(), pending, "GradScaler.step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = on_device and not done
+            fused_unscale = fused and not done
             check = self._check(pending, idle=idle, agreement=agreement or False,
                                 unscale=not fused_unscale, read=False,
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
                 self._ledger.record(pending, check, self._version)
             checks.append(check)
-        if not checks and not on_device:
+        if not checks and not fused:
             raise RuntimeError(
                 "No inf checks were recorded for this optimizer: none of its parameters"
                 " has a gradient. Run the scaled backward pass before"
@@ -706,6 +743,9 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        if new_scale is not None:
+            self._refuse_in_trace("GradScaler.update(new_scale=...)", "write")
+        self._traced("GradScaler.update()")
         self._update(new_scale)
         self._ledger.new_iteration()
 
@@ -736,6 +776,7 @@ class GradScaler:
                 )
             if checked:
                 self._count_step(found)
+            self._mirror()
         self._updated_by_backward = False
         self._ledger.prune()
         self._new_iteration()
@@ -757,9 +798,11 @@ class GradScaler:
         self._forensics.counted(skipped, self._scale_value, self._steps)
 
     def _set_scale(self, value: float) -> None:
+        self._refuse_in_trace("Setting GradScaler.scale_factor", "write")
         self._scale_value = value
         if self._dev is not None:
             self._dev.load(value, None)
+        self._mirror()
 
     def _sync_from_device(self) -> None:
         """Reads the device-resident scale and tracker back (a sync, as torch.amp's
@@ -789,6 +832,7 @@ class GradScaler:
         except after a fused optimizer moved the scale to the device (as torch.amp)."""
         if not self._enabled:
             return 1.0
+        self._refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
         self._sync_from_device()
         return self._scale_value
 
@@ -818,7 +862,8 @@ class GradScaler:
         values describe. It equals ``steps`` except with fused optimizers on a GPU,
         where the values arrive asynchronously and may trail by a step or two.
         """
-        if self._enabled and self._dev is not None:
+        # Inside a trace the values stay as of the last read (as_of_step says which).
+        if self._enabled and self._dev is not None and _tracing.mode(self._be()) is None:
             snapshot = self._dev.poll()
             if snapshot is not None:
                 (self._as_of_step, self._scale_value, self._tracker, self._skipped_steps,
@@ -902,6 +947,7 @@ class GradScaler:
         Empty when disabled (as torch.amp)."""
         if not self._enabled:
             return {}
+        self._refuse_in_trace("GradScaler.state_dict()", "read")
         self._sync_from_device()
         return {
             "scale": self._scale_value,
@@ -917,6 +963,7 @@ class GradScaler:
         mapping at all) and leaves the scaler unchanged. No-op when disabled."""
         if not self._enabled:
             return
+        self._refuse_in_trace("GradScaler.load_state_dict()", "write")
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"GradScaler.load_state_dict() expects a dict from state_dict(); got"
@@ -960,6 +1007,7 @@ class GradScaler:
         self._tracker = tracker
         if self._dev is not None:
             self._dev.load(self._scale_value, tracker)
+        self._mirror()
 
     def __getstate__(self) -> dict[str, Any]:
         if self._opt_states or self._checks:
@@ -971,6 +1019,7 @@ class GradScaler:
         state = self.__dict__.copy()
         state["_backend"] = None  # re-resolved on first use after unpickling
         state["_dev"] = None  # device tensors are remade at the next fused step
+        state["_trace_copy"] = None  # remade at the next call outside a trace
         state["_ledger"] = GradLedger()  # it refers to live tensors, weakly
         state["_forensics"] = None  # it refers to models; watch() again after loading
         state["_process_group"] = None  # a live communicator; give it again after loading
@@ -983,8 +1032,10 @@ class GradScaler:
             self._forensics = Forensics(self)
 
     def __repr__(self) -> str:
+        traced = self._enabled and _tracing.mode(self._be()) is not None
+        scale = "<on the device, in a trace>" if traced else self.get_scale()
         return (
-            f"GradScaler(scale={self.get_scale()}, growth_factor={self._growth_factor},"
+            f"GradScaler(scale={scale}, growth_factor={self._growth_factor},"
             f" backoff_factor={self._backoff_factor},"
             f" growth_interval={self._growth_interval}, enabled={self._enabled})"
         )

@@ -27,10 +27,13 @@ from megengine.core._imperative_rt.core2 import (
 from megengine.core.tensor import amp as _amp_state
 from megengine.core.tensor.dtype import bfloat16, is_bfloat16
 from megengine.functional.math import _check_non_finite
+from megengine.jit import tracing as _tracing
 from megengine.module import Module as _Module
 from megengine.optimizer import clip_grad_norm as _clip_grad_norm
 
 from unified_amp.errors import UnsupportedPrecisionError
+
+from .megengine_device_scale import DeviceScale
 
 _LOW = (np.dtype("float16"),)
 
@@ -286,6 +289,22 @@ class MegEngineBackend:
 
     def flag_is_set(self, flag: Any) -> bool:
         return any(bool(f.item()) for f in flag)
+
+    # -- traced steps (optional part of the interface; unified_amp/_tracing.py) ---------
+    trace_name = "megengine.jit.trace"
+
+    def trace_mode(self) -> str | None:
+        """None outside ``megengine.jit.trace`` (and inside its exclude_from_trace());
+        "rerun" where the trace runs the Python function on every call; "once" where it
+        runs it once and replays the graph alone (``without_host=True``)."""
+        if not _tracing.is_tracing():
+            return None
+        return "once" if getattr(_tracing.active_trace, "without_host", False) else "rerun"
+
+    def device_scale(self, optimizer: Any, scale: float, tracker: int,
+                     skipped: int) -> DeviceScale:
+        # MegEngine puts new tensors on the default device, as its optimizers do.
+        return DeviceScale(scale, tracker, skipped)
 
     # -- overflow forensics: after an overflow, or while tracing ----------------------
     def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
