@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._scale_rule import f32
 from .errors import UnsupportedTraceError
 
 RERUN = "rerun"
@@ -136,9 +137,4 @@ def take_copy(backend: Any, what: str, copy: Any) -> Any:
 
 
 def _exact_f32(x: float) -> bool:
-    import struct
-
-    try:
-        return float(struct.unpack("f", struct.pack("f", x))[0]) == x
-    except OverflowError:
-        return False
+    return f32(x) == x

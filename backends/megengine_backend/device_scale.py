@@ -1,5 +1,10 @@
 """The scale on the device for MegEngine, so that a step runs inside ``megengine.jit.trace``.
 
+No MegEngine 1.13 optimizer skips a step on the device by itself (torch's fused ones
+do: backends/torch_backend/device_scale.py), so eagerly every step is decided on the
+host, with the one flag read per step, and there is no ``steps_on_device``. A traced
+step is the exception.
+
 A trace records the step's ops once and replays them; a host read of a traced value
 cannot be replayed (MegEngine raises "data unreadable" or crashes). So inside a trace
 the scaler keeps the scale, the growth tracker and the telemetry in tensors that live
@@ -27,6 +32,7 @@ import megengine
 import megengine.functional as F
 from megengine.functional.math import _check_non_finite
 from megengine.jit import exclude_from_trace
+from megengine.jit import tracing as _tracing
 
 
 def _f32_grads(grads: Sequence[Any]) -> None:
@@ -153,3 +159,23 @@ class DeviceScale:
         self.scale_t._reset(megengine.tensor(scale, dtype="float32"))
         if tracker is not None:
             self.tracker_t._reset(megengine.tensor(tracker, dtype="int32"))
+
+
+class TracedSteps:
+    """Whether a ``megengine.jit.trace`` is running, and the scale that lives on the
+    device for it (unified_amp/_tracing.py has the policy)."""
+
+    trace_name = "megengine.jit.trace"
+
+    def trace_mode(self) -> str | None:
+        """None outside ``megengine.jit.trace`` (and inside its exclude_from_trace());
+        "rerun" where the trace runs the Python function on every call; "once" where it
+        runs it once and replays the graph alone (``without_host=True``)."""
+        if not _tracing.is_tracing():
+            return None
+        return "once" if getattr(_tracing.active_trace, "without_host", False) else "rerun"
+
+    def device_scale(self, optimizer: Any, scale: float, tracker: int,
+                     skipped: int) -> DeviceScale:
+        # On the default device, where MegEngine's optimizers put their state too.
+        return DeviceScale(scale, tracker, skipped)
