@@ -98,8 +98,8 @@ def enter(backend: Any, what: str, factors: tuple[float, float]) -> bool:
                 f"{what} was called inside {_name(backend)} with {name}={value!r}, which"
                 f" float32 cannot hold exactly: the device-side scale update would round"
                 f" differently from the eager one. Inside a trace use factors exact in"
-                f" float32 (2.0 and 0.5, the defaults, or other powers of two). This"
-                f" call changed nothing."
+                f" float32 (2.0 and 0.5, the defaults, or other powers of two)."
+                f" {_MOVE_OUT} This call changed nothing."
             )
     return True
 

@@ -1,6 +1,6 @@
-"""Whole training steps under ``megengine.jit.trace``, each run in its own process by
-test_megengine_trace.py (``python megengine_trace_scenarios.py NAME``), because a host
-read inside a trace can kill the process (SIGSEGV) rather than raise.
+"""Whole training steps under ``megengine.jit.trace``, run in a process of their own by
+test_megengine_trace.py (``python megengine_trace_scenarios.py NAME...``), because a
+host read inside a trace can kill the process (SIGSEGV) rather than raise.
 
 Each scenario runs the same loop eagerly and traced (``symbolic=False`` and ``True``),
 with overflows planted in the inputs, and prints one JSON line per mode: either the
@@ -224,15 +224,17 @@ def loop(model, opt, scaler, batches, step, traced, eager_at):
 
 
 def main(name):
+    """Prints one JSON line per traced mode of scenario ``name``."""
     body, options = SCENARIOS[name]
     options = dict(options)
     modes = options.pop("modes", (False, True))
     eager = run(body, None, **{k: v for k, v in options.items() if k != "trace"})
     for symbolic in modes:
         traced = run(body, symbolic, **options)
-        print(json.dumps({"symbolic": symbolic, "eager": eager, "traced": traced}),
-              flush=True)
+        print(json.dumps({"name": name, "symbolic": symbolic, "eager": eager,
+                          "traced": traced}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    for arg in sys.argv[1:]:
+        main(arg)
