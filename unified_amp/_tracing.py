@@ -50,6 +50,12 @@ _HOST_CALLS = {
         " which keep the scale on the device; read get_scale(), scale_factor and"
         " state_dict() between traced calls",
     ),
+    "clip": (
+        "returns the total norm as a Python number, a host read, and a trace cannot"
+        " replay a host read (MegEngine fails with 'data unreadable' or crashes)",
+        "clip with megengine.optimizer.clip_grad_norm(params, max_norm), which returns the"
+        " norm as a tensor (after scaler.unscale_(optimizer), as eagerly)",
+    ),
     "write": (
         "sets the scale from a Python number, which the trace would freeze at its first"
         " value",

@@ -81,6 +81,32 @@ def unscale_then_step(model, gm, opt, scaler, x, y):
     return loss
 
 
+def clip_native(model, gm, opt, scaler, x, y):
+    """unscale_, then MegEngine's own clip (it returns the norm as a tensor)."""
+    with gm:
+        loss = loss_of(model, x, y)
+        gm.backward(scaler.scale(loss))
+    scaler.unscale_(opt)
+    optim.clip_grad_norm(model.parameters(), 0.5)
+    scaler.step(opt)
+    scaler.update()
+    opt.clear_grad()
+    return loss
+
+
+def clip_unified(model, gm, opt, scaler, x, y):
+    """unscale_, then amp.clip_grad_norm, which returns the norm as a Python float."""
+    with gm:
+        loss = loss_of(model, x, y)
+        gm.backward(scaler.scale(loss))
+    scaler.unscale_(opt)
+    amp.clip_grad_norm(opt, 0.5)
+    scaler.step(opt)
+    scaler.update()
+    opt.clear_grad()
+    return loss
+
+
 def backward_then_step(model, gm, opt, scaler, x, y):
     """Automatic mode, the scaler's own backward, unscaled by step()."""
     with gm:
@@ -157,7 +183,8 @@ def read_state(model, gm, opt, scaler, x, y):
 # the device both ways), "trace" (keyword arguments of trace), "backoff" (the factor),
 # "modes" (the values of symbolic to trace with).
 SCENARIOS = {f.__name__: (f, {}) for f in (
-    torch_form, unscale_then_step, backward_then_step, watched, automatic, manual_unscale,
+    torch_form, unscale_then_step, clip_native, clip_unified, backward_then_step, watched,
+    automatic, manual_unscale,
     scale_factor_dy, new_scale, read_state)}
 SCENARIOS.update({
     # MegEngine's graph optimizer (opt_level=2, the default) fuses Adam's elementwise

@@ -124,8 +124,8 @@ def test_no_scenario_killed_the_process(scenario_process):
 
 
 # Loops the scaler runs on the device inside a trace.
-RUNS = ["torch_form", "unscale_then_step", "backward_then_step", "watched", "adam",
-        "eager_between"]
+RUNS = ["torch_form", "unscale_then_step", "clip_native", "backward_then_step", "watched",
+        "adam", "eager_between"]
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -155,6 +155,7 @@ REFUSED = {
     "read_state": ("GradScaler.state_dict()", "between traced calls"),
     "without_host": ("without_host=True", "without_host=False"),
     "inexact_backoff": ("backoff_factor=0.3", "exact in float32"),
+    "clip_unified": ("amp.clip_grad_norm()", "megengine.optimizer.clip_grad_norm"),
 }
 # These raise after the step itself ran (as eagerly), so the weights moved, once.
 REFUSED_AFTER_THE_STEP = {"new_scale", "read_state"}
