@@ -17,6 +17,11 @@ autocast), interleaved round by round on the same model and data (benchmarks/tim
   eagerly and with the whole step traced, where the check, the skip and the scale
   update run on the device.
 
+Each block of steps is timed twice: wall-clock, and the process's CPU time (all its
+threads, MegEngine's kernel worker included). On a shared machine the CPU time is far
+less sensitive to what other processes do, since MegEngine's CPU kernels run on one
+thread; both are saved, and the CPU-time ratios are printed first.
+
 Prints per-round ratio medians and writes ``trace-megengine-<device>[-quick].json``.
 """
 
@@ -26,6 +31,7 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -42,7 +48,7 @@ import unified_amp as amp  # noqa: E402
 from . import report  # noqa: E402
 from .common import SIZES, WORKLOADS, lookup  # noqa: E402
 from .megengine_kit import Kit  # noqa: E402
-from .timing import interleaved, round_ratios, spread  # noqa: E402
+from .timing import spread  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPE = "float16"  # MegEngine's CPU build computes no bfloat16
@@ -117,9 +123,26 @@ def variants(w: Any, symbolic: bool) -> dict[str, Callable[[], Any]]:
     }
 
 
-class _Quiet:
-    def update(self, n: int) -> None:
-        pass
+def timed_rounds(variants: dict[str, Callable[[], Any]], kit: Kit, *, warmup: int,
+                 rounds: int, steps: int) -> dict[str, dict[str, list[float]]]:
+    """benchmarks/timing.py's interleaving (the order rotates each round), timing each
+    block by wall clock and by this process's CPU time. Seconds per step."""
+    names = list(variants)
+    out = {n: {"wall": [], "cpu": []} for n in names}
+    for name in names:
+        for _ in range(warmup):
+            kit.read(variants[name]())
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step = variants[name]
+            kit.sync()
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                kit.read(step())
+            kit.sync()
+            out[name]["wall"].append((time.perf_counter() - w0) / steps)
+            out[name]["cpu"].append((time.process_time() - c0) / steps)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,19 +174,29 @@ def main(argv: list[str] | None = None) -> int:
     for name in WORKLOADS:
         size = lookup(SIZES, "megengine", "cpu", mode)[name]
         w = kit.build(name, size, seed=0)
-        times = interleaved(variants(w, symbolic), kit, warmup=3, rounds=rounds,
-                            steps=steps, progress=_Quiet())
-        entry: dict[str, Any] = {"size": size, "ms_per_step": {}, "ratios": {}}
-        for v, t in times.items():
-            entry["ms_per_step"][v] = {k: (x * 1e3 if k != "n" else x)
-                                       for k, x in spread(t["per_round"]).items()}
+        times = timed_rounds(variants(w, symbolic), kit, warmup=3, rounds=rounds,
+                             steps=steps)
+        entry: dict[str, Any] = {"size": size}
         print(f"\n{name} {size}")
-        for v, s in entry["ms_per_step"].items():
-            print(f"  {v:22s} {s['median']:9.2f} ms/step")
+        print(f"  {'':50s} {'CPU time':>22s} {'wall clock':>22s}")
+        for clock in ("cpu", "wall"):
+            entry[f"ms_per_step_{clock}"] = {
+                v: {k: (x * 1e3 if k != "n" else x) for k, x in spread(t[clock]).items()}
+                for v, t in times.items()}
+        for v in times:
+            cpu, wall = (entry[f"ms_per_step_{c}"][v]["median"] for c in ("cpu", "wall"))
+            print(f"  {v + ' (ms/step)':50s} {cpu:22.2f} {wall:22.2f}")
+        for clock in ("cpu", "wall"):
+            entry[f"ratios_{clock}"] = {
+                f"{num}/{den}": spread([a / b for a, b in zip(times[num][clock],
+                                                              times[den][clock])])
+                for num, den, _ in RATIOS}
         for num, den, label in RATIOS:
-            r = spread(round_ratios(times, num, den))
-            entry["ratios"][f"{num}/{den}"] = r
-            print(f"  {label:50s} {r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}]")
+            cells = []
+            for clock in ("cpu", "wall"):
+                r = entry[f"ratios_{clock}"][f"{num}/{den}"]
+                cells.append(f"{r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}]")
+            print(f"  {label:50s} {cells[0]:>22s} {cells[1]:>22s}")
         result["workloads"][name] = entry
         kit.release(w)
     result["loadavg_after"] = report.loadavg()

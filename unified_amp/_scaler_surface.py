@@ -38,6 +38,7 @@ class ScalerSurface(ScalerState):
 
         Reading it counts as handing the scale out (megengine.amp's manual mode passes
         it as ``dy`` to ``gm.backward``)."""
+        self._refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
         self._handed_blind = True
         return self.get_scale()
 
