@@ -195,7 +195,9 @@ class Backend(Protocol):
     # ``trace_mode() -> None | "rerun" | "once"`` and ``trace_name``: whether a trace of
     #   the framework (megengine.jit.trace) is recording or replaying now: "rerun" where
     #   it runs the Python function on every call, "once" where it replays the graph
-    #   alone. An adapter with ``trace_mode`` also takes ``device_scale(None, ...)``, and
+    #   alone. ``trace_refusal() -> str | None``: why a step traced now could not train
+    #   as the eager one (a framework setting), or None. An adapter with ``trace_mode``
+    #   also takes ``device_scale(None, ...)``, and
     #   its device scale has ``write(scale, tracker, skipped)`` (copy the host's values
     #   in) and ``step`` selecting the old parameters and optimizer state on an overflow
     #   (unified_amp/_tracing.py says when each is used).

@@ -98,6 +98,13 @@ def enter(backend: Any, what: str, factors: tuple[float, float]) -> bool:
             f" (without_host=False), which checks, skips and updates the scale on the"
             f" device. {_MOVE_OUT} This call changed nothing."
         )
+    refusal = getattr(backend, "trace_refusal", None)
+    why = None if refusal is None else refusal()
+    if why:
+        raise UnsupportedTraceError(
+            f"{what} was called inside {_name(backend)}: {why} {_MOVE_OUT} This call"
+            f" changed nothing."
+        )
     for name, value in zip(("growth_factor", "backoff_factor"), factors):
         if not _exact_f32(value):
             raise UnsupportedTraceError(

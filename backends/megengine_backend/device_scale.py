@@ -24,6 +24,7 @@ factors that float32 holds exactly (the core refuses the others inside a trace).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -50,8 +51,9 @@ class DeviceScale:
     MegEngine tensors, with the step's check, skip and scale update as device ops."""
 
     def __init__(self, scale: float, tracker: int, skipped: int):
-        # Made outside any trace: a tensor created inside one would be recorded as a
-        # constant of the first call only, and the next call's ops would not match.
+        # The core makes this with the scaler, outside any trace: a tensor made part-way
+        # through a traced call breaks the next calls ("expect external node, got
+        # internal"). exclude_from_trace() only guards a call from inside one.
         with exclude_from_trace():
             self.scale_t = megengine.tensor(scale, dtype="float32")
             self.tracker_t = megengine.tensor(tracker, dtype="int32")
@@ -174,6 +176,18 @@ class TracedSteps:
         if not _tracing.is_tracing():
             return None
         return "once" if getattr(_tracing.active_trace, "without_host", False) else "rerun"
+
+    def trace_refusal(self) -> str | None:
+        """Why a step traced now cannot train as the eager one, or None."""
+        if int(os.getenv("MEGENGINE_INPLACE_UPDATE", "0")):
+            # Measured: a plain SGD step (no amp) traced in this mode already ends with
+            # other weights than eagerly, and symbolic=True fails MegEngine's assertion
+            # `src.valid()`; the optimizers' _inplace_add_ also writes into the
+            # buffers the skip would restore from.
+            return ("MEGENGINE_INPLACE_UPDATE=1 makes MegEngine's optimizers update in"
+                    " place, and a step traced in that mode does not train as the eager"
+                    " one even without amp. Unset it for traced steps.")
+        return None
 
     def device_scale(self, optimizer: Any, scale: float, tracker: int,
                      skipped: int) -> DeviceScale:

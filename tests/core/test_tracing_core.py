@@ -217,15 +217,18 @@ def test_outside_a_trace_nothing_changes(fake):
     assert scaler._dev is None
 
 
-@pytest.mark.parametrize("case", ["once", "inexact-factor", "made-inside"])
+@pytest.mark.parametrize("case", ["once", "inexact-factor", "made-inside", "refused"])
 def test_a_trace_the_scaler_cannot_follow_raises_before_scaling(fake, case):
     params, opt = model()
+    if case == "refused":  # a framework setting the adapter says traces cannot follow
+        fake.trace_refusal = lambda: "the fake's in-place mode is on."
     if case == "made-inside":
         fake.tracing = "rerun"
     scaler = amp.GradScaler(backoff_factor=0.3 if case == "inexact-factor" else 0.5)
     fake.tracing = "once" if case == "once" else "rerun"
     match = {"once": "without_host=True", "inexact-factor": "backoff_factor=0.3",
-             "made-inside": "Make the GradScaler before"}[case]
+             "made-inside": "Make the GradScaler before",
+             "refused": "in-place mode is on. Or trace only"}[case]
     with pytest.raises(amp.UnsupportedTraceError, match=match):
         scaler.scale(loss_of(params, False))
     fake.tracing = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 import numpy as np
@@ -197,11 +198,19 @@ SCENARIOS.update({
     # step's missing outputs follows ours: the result names the whole chain.
     "without_host": (torch_form, {"trace": {"without_host": True}, "modes": (False,)}),
     "inexact_backoff": (torch_form, {"backoff": 0.3}),
+    # MegEngine's optimizers update in place under this variable (read at each step).
+    "inplace_update": (torch_form, {"inplace": True}),
 })
 
 
-def run(body, symbolic, adam=False, eager_at=(), trace=None, backoff=0.5):
+def run(body, symbolic, adam=False, eager_at=(), trace=None, backoff=0.5, inplace=False):
     """The loop, eager (symbolic None) or traced. Returns a dict of what it did."""
+    if inplace:
+        os.environ["MEGENGINE_INPLACE_UPDATE"] = "1"
+        try:
+            return run(body, symbolic, adam, eager_at, trace, backoff)
+        finally:
+            del os.environ["MEGENGINE_INPLACE_UPDATE"]
     model, batches = model_and_data()
     gm = GradManager().attach(model.parameters())
     if adam:

@@ -156,6 +156,7 @@ REFUSED = {
     "without_host": ("without_host=True", "without_host=False"),
     "inexact_backoff": ("backoff_factor=0.3", "exact in float32"),
     "clip_unified": ("amp.clip_grad_norm()", "megengine.optimizer.clip_grad_norm"),
+    "inplace_update": ("MEGENGINE_INPLACE_UPDATE=1", "Unset it"),
 }
 # These raise after the step itself ran (as eagerly), so the weights moved, once.
 REFUSED_AFTER_THE_STEP = {"new_scale", "read_state"}
