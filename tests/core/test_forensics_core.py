@@ -297,7 +297,8 @@ def test_the_line_says_what_to_do_about_a_float16_overflow(fake):
         "unified_amp: step 1 skipped (scale 4, loss inf): inf/NaN gradients in 2 of 2"
         " parameters: big.weight (1 inf of 1), small.weight (1 inf of 1); first"
         " non-finite forward output: big (NamedModule, float16), a float16 overflow"
-        " (|x| > 65504): run that op in float32 (autocast(enabled=False)) or use bfloat16")
+        " (|x| > 65504): run it in float32 with amp.keep_float32(model.big) or use"
+        " bfloat16")
 
 
 def test_tracing_reads_nothing_on_a_clean_step_and_forgets_at_update(fake):
