@@ -350,9 +350,16 @@ class MegEngineBackend:
             return tensor
         return tensor.astype(bfloat16 if dtype == "bfloat16" else dtype)
 
-    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+    def autocast_low_dtype(self, device: str) -> str | None:
+        if not _amp_state._enabled:  # one process-wide state for every device
+            return None
+        return self.dtype_name(_get_amp_low_prec_dtype())
+
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
+        left = {id(m) for s in skip for m in s.modules()}
         for sub in module.modules():
-            if keep_batchnorm_fp32 and isinstance(sub, _mbn._BatchNorm):
+            if id(sub) in left or (keep_batchnorm_fp32 and isinstance(sub, _mbn._BatchNorm)):
                 continue
             tensors = [t for _, t in sub.named_parameters(recursive=False)]
             tensors += [t for _, t in sub.named_buffers(recursive=False)]

@@ -532,12 +532,18 @@ class TorchBackend:
     def cast(self, tensor: torch.Tensor, dtype: str) -> torch.Tensor:
         return tensor.to(_ALL_DTYPES[dtype])
 
+    def autocast_low_dtype(self, device: str) -> str | None:
+        if not torch.is_autocast_enabled(device):
+            return None
+        return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+
     def cast_module(self, module: torch.nn.Module, dtype: str,
-                    keep_batchnorm_fp32: bool) -> None:
+                    keep_batchnorm_fp32: bool, skip: Sequence[Any] = ()) -> None:
         target = _ALL_DTYPES[dtype]
+        left = {id(m) for s in skip for m in s.modules()}
         with torch.no_grad():
             for sub in module.modules():
-                if keep_batchnorm_fp32 and isinstance(sub, _BATCH_NORM):
+                if id(sub) in left or (keep_batchnorm_fp32 and isinstance(sub, _BATCH_NORM)):
                     continue
                 # Through .data, as Module.to() does: each Parameter object stays the
                 # same, so the optimizers that hold it need no change.
