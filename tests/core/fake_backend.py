@@ -171,6 +171,11 @@ class FakeModule:
         for child in self._children:
             yield from child.modules()
 
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for i, child in enumerate(self._children):
+            yield from child.named_modules(f"{prefix}.{i}" if prefix else str(i))
+
     def forward(self, x):
         enabled, dtype = self.backend.autocast_state[-1]
         self.seen.append((x.dtype, dtype if enabled else None))
