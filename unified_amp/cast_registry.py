@@ -106,7 +106,6 @@ def _make_wrapper(entry: _Entry) -> Callable[..., Any]:
         with off:
             return original(*args, **kwargs)
 
-    registered.__wrapped__ = original  # type: ignore[attr-defined]
     return registered
 
 

@@ -32,7 +32,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
@@ -399,7 +399,7 @@ def _pin_name(record: _Record, watched: list[Any]) -> str:
     return trace._modules[record.index][0]
 
 
-def _first_nonfinite(traces: list[ForwardTrace] | None = None, watched: list[Any] = ()
+def _first_nonfinite(traces: list[ForwardTrace] | None = None, watched: Sequence[Any] = ()
                      ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
     records = [r for r in _records if traces is None or r.trace in traces]
     if not records:
