@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
+from .pinning import pin_expression
 
 __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning",
            "ForwardTrace", "trace_forward"]
@@ -99,19 +100,6 @@ class NonFiniteOutput:
 
     def describe(self) -> str:
         return f"{self.module or '(model)'} ({self.type}, {self.dtype})"
-
-
-def _expression(dotted: str) -> str:
-    """``model.encoder.layers[3]`` for the dotted module name ``encoder.layers.3``."""
-    expr = "model"
-    for part in dotted.split(".") if dotted else ():
-        if part.isdigit():
-            expr += f"[{part}]"
-        elif part.isidentifier():
-            expr += f".{part}"
-        else:
-            expr += f"[{part!r}]"
-    return expr
 
 
 @dataclass(frozen=True)
@@ -416,7 +404,7 @@ def _first_nonfinite(traces: list[ForwardTrace] | None = None, watched: Sequence
         elif first is None:
             name, kind = record.trace._modules[record.index]
             first = NonFiniteOutput(name, kind, record.dtype,
-                                    _expression(_pin_name(record, list(watched))))
+                                    pin_expression(_pin_name(record, list(watched))))
     return first, samples
 
 

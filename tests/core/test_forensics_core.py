@@ -10,6 +10,7 @@ import pytest
 
 import unified_amp as amp
 from unified_amp import forensics
+from unified_amp.pinning import pin_expression
 
 from ..spies import record_calls
 from .fake_backend import NamedModule, FakeOptimizer, FakeTensor
@@ -325,9 +326,9 @@ def test_the_fix_names_the_module_from_the_watched_model(fake):
             "layer3", pin, f"amp.keep_float32({pin})")
         assert f"run it in float32 with amp.keep_float32({pin})" in \
             str(scaler.last_overflow())
-    assert forensics._expression("layers.10.attn") == "model.layers[10].attn"
-    assert forensics._expression("") == "model"
-    assert forensics._expression("blocks.a-b") == "model.blocks['a-b']"
+    assert pin_expression("layers.10.attn") == "model.layers[10].attn"
+    assert pin_expression("") == "model"
+    assert pin_expression("blocks.a-b") == "model.blocks['a-b']"
 
 
 def test_tracing_reads_nothing_on_a_clean_step_and_forgets_at_update(fake):
