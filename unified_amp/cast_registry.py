@@ -84,7 +84,6 @@ def _target_dtype(kind: str, tensors: list[Any], backend: Any) -> str | None:
 
 def _make_wrapper(entry: _Entry) -> Callable[..., Any]:
     original = entry.original
-    off = autocast(enabled=False)
 
     @functools.wraps(original)
     def registered(*args: Any, **kwargs: Any) -> Any:
@@ -103,7 +102,7 @@ def _make_wrapper(entry: _Entry) -> Callable[..., Any]:
             else:
                 args = _cast_tree(args, dtype, backend, only_low=only_low)
                 kwargs = _cast_tree(kwargs, dtype, backend, only_low=only_low)
-        with off:
+        with autocast(enabled=False):  # fresh per call: a shared one is not thread-safe
             return original(*args, **kwargs)
 
     return registered

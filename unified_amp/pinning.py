@@ -67,7 +67,6 @@ class _Float32Forward:
         self.inner = inner
         self.active = True
         self.recast: str | None = None
-        self._off = autocast(enabled=False)
 
     def _call_inner(self, args: tuple, kwargs: dict) -> Any:
         if self.inner is not None:
@@ -83,7 +82,9 @@ class _Float32Forward:
             back_to = _first_low_dtype((args, kwargs), backend)
         args = _cast_tree(args, "float32", backend, only_low=True)
         kwargs = _cast_tree(kwargs, "float32", backend, only_low=True)
-        with self._off:
+        # A fresh block per call: an autocast instance keeps a stack of tokens, which
+        # two threads running this module at once (DataParallel's replicas) would mix.
+        with autocast(enabled=False):
             out = self._call_inner(args, kwargs)
         if back_to is not None:
             out = _cast_tree(out, back_to, backend, only_low=False)
