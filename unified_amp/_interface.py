@@ -111,14 +111,21 @@ class Backend(Protocol):
     def default_low_dtype(self, device: str) -> str:
         """The dtype ``autocast(dtype=None)`` computes on ``device``."""
 
+    def autocast_low_dtype(self, device: str) -> str | None:
+        """The low dtype autocast computes in on ``device`` right now ('float16',
+        'bfloat16'), or None where it is off (whoever turned it on: ``amp.autocast``
+        or the framework's own)."""
+
     def cast(self, tensor: Any, dtype: str) -> Any:
         """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
         ``tensor`` itself if it has that dtype already."""
 
-    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
         """Casts the floating parameters and buffers of ``module`` and its submodules to
         ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
-        norm layers are left in float32 if ``keep_batchnorm_fp32``."""
+        norm layers are left in float32 if ``keep_batchnorm_fp32``; the modules in
+        ``skip`` (and everything inside them) are left alone."""
 
     def low_precision_batch_norm(self, dtype: str) -> bool:
         """Whether batch norm can hold ``dtype`` weights on this build."""

@@ -35,11 +35,12 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from . import _tracing
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
+from .pinning import pin_expression
 
 __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning",
            "ForwardTrace", "trace_forward"]
@@ -86,11 +87,20 @@ class NonFiniteOutput:
         module: its dotted name in the traced model ("" is the model itself).
         type: its class name (``Linear``).
         dtype: the dtype of that output ("float16" means autocast ran it in float16).
+        pin: the module as a Python expression on the model, ``model.encoder.layer3``
+            or ``model[1]``: named from a model given to ``GradScaler.watch()`` when it
+            holds the module, else from the traced model.
     """
 
     module: str
     type: str
     dtype: str
+    pin: str = "model"
+
+    @property
+    def fix(self) -> str:
+        """The call that runs this module in float32: ``amp.keep_float32(model.x)``."""
+        return f"amp.keep_float32({self.pin})"
 
     def describe(self) -> str:
         return f"{self.module or '(model)'} ({self.type}, {self.dtype})"
@@ -171,12 +181,12 @@ class OverflowReport:
             assert first is not None  # what a forward-<dtype> cause is made from
             if cause == "forward-float16":
                 return (f"first non-finite forward output: {first.describe()}, a float16"
-                        f" overflow (|x| > 65504): run that op in float32"
-                        f" (autocast(enabled=False)) or use bfloat16")
+                        f" overflow (|x| > 65504): run it in float32 with {first.fix}"
+                        f" or use bfloat16")
             if cause == "forward-bfloat16":
                 return (f"first non-finite forward output: {first.describe()}: not an"
-                        f" overflow (bfloat16 has float32's range); if that op cancels or"
-                        f" divides, run it in float32 (autocast(enabled=False)), else the"
+                        f" overflow (bfloat16 has float32's range); if it cancels or"
+                        f" divides, run it in float32 with {first.fix}, else the"
                         f" inf/NaN is genuine")
             if cause == "forward-float32":
                 return (f"first non-finite forward output: {first.describe()}, computed in"
@@ -219,7 +229,8 @@ class OverflowReport:
                            "nan": g.nan} for g in self.gradients],
             "traced": self.traced,
             "first_nonfinite": None if first is None else
-            {"module": first.module, "type": first.type, "dtype": first.dtype},
+            {"module": first.module, "type": first.type, "dtype": first.dtype,
+             "pin": first.pin},
             "bad_samples": list(self.bad_samples),
             "forward_in_trace": self.forward_in_trace,
             "cause": self.cause,
@@ -288,6 +299,7 @@ class ForwardTrace:
         self._backend = backend
         self.model = model
         self._modules: list[tuple[str, str]] = []  # (name, class name) by hook index
+        self._module_refs: list[Callable[[], Any]] = []  # the modules, by hook index
         self._removers: list[Any] = []
 
     @property
@@ -302,6 +314,7 @@ class ForwardTrace:
         backend = self._backend
         modules = backend.named_modules(self.model)
         self._modules = [(name, type(m).__name__) for name, m in modules]
+        self._module_refs = [_ref(m) for _, m in modules]
         self._removers = [backend.add_forward_hook(self.model, self._input_hook, pre=True)]
         for index, (_, module) in enumerate(modules):
             self._removers.append(backend.add_forward_hook(module, self._output_hook(index)))
@@ -382,7 +395,21 @@ def trace_forward(model: Any) -> ForwardTrace:
     return ForwardTrace(model)
 
 
-def _first_nonfinite(records: list[_Record], finite: list[list[bool]]
+def _pin_name(record: _Record, watched: Sequence[Any]) -> str:
+    """The dotted name of the record's module in the first watched model that holds
+    it, else in the traced model."""
+    trace = record.trace
+    module = trace._module_refs[record.index]() if trace._module_refs else None
+    if module is not None:
+        for model in watched:
+            for name, m in trace._backend.named_modules(model):
+                if m is module:
+                    return name
+    return trace._modules[record.index][0]
+
+
+def _first_nonfinite(records: list[_Record], finite: list[list[bool]],
+                     watched: Sequence[Any] = ()
                      ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
     """The first non-finite module output and the bad input samples, from the flags
     of ``records`` as read back (``finite``)."""
@@ -396,7 +423,8 @@ def _first_nonfinite(records: list[_Record], finite: list[list[bool]]
                 samples = tuple(i for i, row_ok in enumerate(ok) if not row_ok)
         elif first is None:
             name, kind = record.trace._modules[record.index]
-            first = NonFiniteOutput(name, kind, record.dtype)
+            first = NonFiniteOutput(name, kind, record.dtype,
+                                    pin_expression(_pin_name(record, watched)))
     return first, samples
 
 
@@ -528,7 +556,8 @@ class Forensics:
                 bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
                                        n_inf, n_nan))
         bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
-        first, samples = _first_nonfinite(records, finite)
+        watched = [m for m in (ref() for ref in self._models) if m is not None]
+        first, samples = _first_nonfinite(records, finite, watched)
         report = OverflowReport(
             step=scaler._steps + 1, scale=scaler.get_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
