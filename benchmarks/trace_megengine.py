@@ -145,6 +145,12 @@ def timed_rounds(variants: dict[str, Callable[[], Any]], kit: Kit, *, warmup: in
     return out
 
 
+def _python() -> str:
+    """The interpreter, relative to the checkout when it lives there (a venv)."""
+    rel = os.path.relpath(sys.executable)
+    return "python" if rel.startswith("..") else rel
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.trace_megengine")
     p.add_argument("--quick", action="store_true", help="tiny models, few rounds")
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (2 if args.quick else 3)
     symbolic = bool(args.symbolic)
     result: dict[str, Any] = {
-        "command": (f"UNIFIED_AMP_BACKEND=megengine {sys.executable} -m"
+        "command": (f"UNIFIED_AMP_BACKEND=megengine {_python()} -m"
                     f" benchmarks.trace_megengine {shlex.join(sys.argv[1:] if argv is None else argv)}").rstrip(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "framework": kit.info(), "dtype": DTYPE, "symbolic": symbolic,
