@@ -111,14 +111,21 @@ class Backend(Protocol):
     def default_low_dtype(self, device: str) -> str:
         """The dtype ``autocast(dtype=None)`` computes on ``device``."""
 
+    def autocast_low_dtype(self, device: str) -> str | None:
+        """The low dtype autocast computes in on ``device`` right now ('float16',
+        'bfloat16'), or None where it is off (whoever turned it on: ``amp.autocast``
+        or the framework's own)."""
+
     def cast(self, tensor: Any, dtype: str) -> Any:
         """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
         ``tensor`` itself if it has that dtype already."""
 
-    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
         """Casts the floating parameters and buffers of ``module`` and its submodules to
         ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
-        norm layers are left in float32 if ``keep_batchnorm_fp32``."""
+        norm layers are left in float32 if ``keep_batchnorm_fp32``; the modules in
+        ``skip`` (and everything inside them) are left alone."""
 
     def low_precision_batch_norm(self, dtype: str) -> bool:
         """Whether batch norm can hold ``dtype`` weights on this build."""
@@ -192,6 +199,15 @@ class Backend(Protocol):
     #   keeps the scale on the device (see backends/torch_backend/device_scale.py).
     #   GradScaler switches to it the first time such an optimizer steps, so that its
     #   steps need no host sync. MegEngine has no such optimizers.
+    # ``trace_mode() -> None | "rerun" | "once"`` and ``trace_name``: whether a trace of
+    #   the framework (megengine.jit.trace) is recording or replaying now: "rerun" where
+    #   it runs the Python function on every call, "once" where it replays the graph
+    #   alone. ``trace_refusal() -> str | None``: why a step traced now could not train
+    #   as the eager one (a framework setting), or None. An adapter with ``trace_mode``
+    #   also takes ``device_scale(None, ...)``, and
+    #   its device scale has ``write(scale, tracker, skipped)`` (copy the host's values
+    #   in) and ``step`` selecting the old parameters and optimizer state on an overflow
+    #   (unified_amp/_tracing.py says when each is used).
 
     # -- optional: distributed primitives (see unified_amp/distributed.py) --------------
     # An adapter whose framework can run several processes also provides:

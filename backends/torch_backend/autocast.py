@@ -173,3 +173,8 @@ class Autocasting:
 
     def is_autocast_enabled(self) -> bool:
         return any(torch.is_autocast_enabled(dev) for dev in devices(None))
+
+    def autocast_low_dtype(self, device: str) -> str | None:
+        if not torch.is_autocast_enabled(device):
+            return None
+        return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
