@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -35,7 +36,7 @@ _HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get
 def _run_eagerly(cls: type) -> type:
     for name in _HOST_SIDE:
         setattr(cls, name, torch.compiler.disable(getattr(_core.GradScaler, name)))
-    factor = _core.GradScaler.scale_factor  # megengine.amp's spelling: a property
+    factor = cast(property, inspect.getattr_static(_core.GradScaler, "scale_factor"))
     cls.scale_factor = property(  # type: ignore[attr-defined]
         torch.compiler.disable(factor.fget), torch.compiler.disable(factor.fset),
         doc=factor.__doc__)
