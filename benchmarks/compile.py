@@ -16,6 +16,9 @@ Each runs eagerly and compiled: the forward and loss, autocast block included, i
 as in a compiled model. All variants run in every round, in rotated order; ratios are
 taken within a round and summarised by their median. Writes
 ``benchmarks/results/torch-<device>-compile[-quick].json``.
+
+First it measures what the contract's function mode adds to each torch call made inside
+an eager block, and how many such calls a forward of each model makes.
 """
 
 from __future__ import annotations
@@ -120,6 +123,57 @@ def run_workload(kit: Kit, name: str, size: dict[str, int], args: argparse.Names
             "per_round_s": {k: v["per_round"] for k, v in times.items()}}
 
 
+def mode_cost(kit: Kit, args: argparse.Namespace) -> dict[str, Any]:
+    """What the contract's function mode adds to each torch call in an eager block: a
+    cheap op timed with and without the mode on the stack, both under torch.autocast,
+    and how many torch calls a forward of each workload makes."""
+    from unified_amp.backends.torch_backend.autocast import CONTRACT
+    from torch.overrides import TorchFunctionMode
+
+    x = torch.randn(4)
+
+    def calls() -> None:
+        for _ in range(1000):
+            x.add(1)
+
+    def best(n: int = 31) -> float:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            calls()
+            out.append(time.perf_counter() - t0)
+        return min(out) / 1000
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = best()
+        torch._C._push_on_torch_function_stack(CONTRACT)
+        try:
+            moded = best()
+        finally:
+            torch._C._pop_torch_function_stack()
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func: Any, types: Any, a: Any = (), kw: Any = None
+                               ) -> Any:
+            Count.n += 1
+            return func(*a, **(kw or {}))
+
+    per_forward = {}
+    mode = "quick" if args.quick else "full"
+    for name in args.workloads.split(","):
+        w = kit.build(name, lookup(SIZES, "torch", kit.device, mode)[name], args.seed)
+        Count.n = 0
+        with torch.autocast(kit.device, dtype=torch.bfloat16), Count():
+            w.loss()
+        per_forward[name] = Count.n
+    return {"us_per_call_plain": round(plain * 1e6, 3),
+            "us_per_call_with_mode": round(moded * 1e6, 3),
+            "us_added_per_call": round((moded - plain) * 1e6, 3),
+            "torch_calls_per_forward": per_forward}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compile", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny models, few rounds")
@@ -150,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": DTYPE, "target_unified_over_native": TARGET,
         "schedule": {"warmup": args.warmup, "rounds": args.rounds, "steps": args.steps},
         "workloads": {}}
+    cost = out["contract_mode_cost"] = mode_cost(kit, args)
+    print(f"contract mode: {cost['us_added_per_call']:.3f} us added per torch call"
+          f" ({cost['us_per_call_plain']:.3f} -> {cost['us_per_call_with_mode']:.3f} us for"
+          f" a 4-element add); torch calls per forward: {cost['torch_calls_per_forward']}")
     for name in args.workloads.split(","):
         size = lookup(SIZES, "torch", kit.device, mode)[name]
         res = run_workload(kit, name, size, args)
