@@ -137,12 +137,27 @@ def _enter(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
 def _exit(token: tuple[list[Any], str]) -> None:
     """Undoes ``_enter``: the mode stack first, then autocast, innermost first."""
     contexts, action = token
+    lost = [ctx.device for ctx in contexts
+            if torch.is_autocast_enabled(ctx.device) != ctx._enabled
+            or (ctx._enabled and torch.get_autocast_dtype(ctx.device) != ctx.fast_dtype)]
     if action == "pushed":
         torch._C._pop_torch_function_stack()
     elif action == "popped":
         torch._C._push_on_torch_function_stack(CONTRACT)
     for ctx in reversed(contexts):
         ctx.__exit__(None, None, None)
+    if lost:
+        # What a graph break inside the block does under torch.compile: dynamo compiles
+        # the block's entry into a graph of its own, whose autocast switches AOTAutograd
+        # drops, and resumes the body without autocast. Say so before the body's results
+        # can reach a backward or an optimizer.
+        raise RuntimeError(
+            f"amp.autocast was not in force on {', '.join(lost)} when its block ended:"
+            f" under torch.compile this is a graph break inside the amp.autocast block,"
+            f" which dynamo cannot resume inside a user-defined context manager. Move what"
+            f" breaks the graph (print, .item(), an unsupported call) out of the block,"
+            f" compile with fullgraph=True to find it, or enter the block outside the"
+            f" compiled function (docs/COMPILE.md).")
 
 
 class Autocasting:

@@ -206,6 +206,23 @@ def test_nested_blocks_trace_whole_and_keep_their_own_rules():
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_a_graph_break_inside_a_block_raises_rather_than_losing_autocast():
+    """dynamo cannot resume a graph break inside a user-defined context manager: it
+    compiles the block's entry alone (AOTAutograd drops its autocast switches) and runs
+    the body without autocast. The block's exit sees that and raises, leaving autocast
+    and the mode stack as they were."""
+    def f(x):
+        with amp.autocast(dtype=BF16):
+            y = x @ x
+            torch._dynamo.graph_break()
+            return y @ y
+
+    with pytest.raises(RuntimeError, match="graph break inside the amp.autocast block"):
+        torch.compile(f, backend="aot_eager")(torch.randn(4, 4))
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_first_use_of_the_library_can_be_inside_a_compiled_function():
     """A fresh interpreter whose first unified_amp call is traced: choosing and loading
     the backend happens outside the trace, and the function still compiles whole."""
