@@ -24,7 +24,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -101,6 +101,14 @@ class FrameworkKit:
         return t.sum()
 
     # -- models ------------------------------------------------------------------------
+    def define(self, factory: Callable[[Any], Any]) -> Any:
+        """What ``factory(kit)`` returns, made once per kit: for model classes written
+        once against ``kit.nn`` (a class statement needs its framework's ``Module``)."""
+        made = self.__dict__.setdefault("_defined", {})
+        if factory not in made:
+            made[factory] = factory(self)
+        return made[factory]
+
     def cnn(self, num_classes: int, width: int, image_size: int) -> Any:
         """conv-BN-ReLU-avgpool twice, then a linear classifier."""
         nn = self.nn
@@ -130,6 +138,13 @@ class FrameworkKit:
             layers.append(self.nn.Linear(fan_in, fan_out))
         return self.place(self.nn.Sequential(*layers))
 
+    def optimizer_state(self, opt: Any) -> list[tuple[str, Any]]:
+        """Each parameter's optimizer state as (key, value), parameters in group order,
+        keys sorted; values are tensors (momentum buffers, ...) or plain numbers."""
+        state = self.state_by_param(opt)
+        return [(key, value) for group in opt.param_groups for p in group["params"]
+                for key, value in sorted(state.get(p, {}).items())]
+
     # -- what each framework spells its own way ----------------------------------------
     def tensor(self, a: Any, device: str | None = None, dtype: str = "float32") -> Any:
         """A tensor from an array, on ``device`` (default: the kit's)."""
@@ -141,6 +156,10 @@ class FrameworkKit:
 
     def place(self, model: Any, device: str | None = None) -> Any:
         """The model on ``device`` (default: the kit's)."""
+        raise NotImplementedError
+
+    def state_by_param(self, opt: Any) -> dict[Any, dict[str, Any]]:
+        """The optimizer's per-parameter state."""
         raise NotImplementedError
 
 
@@ -277,11 +296,9 @@ class TorchKit(FrameworkKit):
     def zero_grad(self, opt: Any) -> None:
         opt.zero_grad()
 
-    def optimizer_state(self, opt: Any) -> list[tuple[str, Any]]:
-        """Each parameter's optimizer state as (key, value), parameters in group order,
-        keys sorted; values are tensors (momentum buffers, ...) or plain numbers."""
-        return [(key, value) for group in opt.param_groups for p in group["params"]
-                for key, value in sorted(opt.state.get(p, {}).items())]
+    def state_by_param(self, opt: Any) -> dict[Any, dict[str, Any]]:
+        """The optimizer's per-parameter state."""
+        return opt.state
 
     def is_tensor(self, value: Any) -> bool:
         return self.torch.is_tensor(value)
@@ -444,12 +461,9 @@ class MegEngineKit(FrameworkKit):
     def zero_grad(self, opt: Any) -> None:
         opt.clear_grad()
 
-    def optimizer_state(self, opt: Any) -> list[tuple[str, Any]]:
-        """Each parameter's optimizer state as (key, value), parameters in group order,
-        keys sorted; values are tensors (momentum buffers, ...) or plain numbers."""
-        # MegEngine keeps it in the private ``_state``; there is no public view.
-        return [(key, value) for group in opt.param_groups for p in group["params"]
-                for key, value in sorted(opt._state.get(p, {}).items())]
+    def state_by_param(self, opt: Any) -> dict[Any, dict[str, Any]]:
+        """The optimizer's per-parameter state (MegEngine's has no public name)."""
+        return opt._state
 
     def is_tensor(self, value: Any) -> bool:
         return isinstance(value, self.mge.Tensor)

@@ -42,6 +42,47 @@ class ContractKit:
         return [(key, self.numpy(value) if self.is_tensor(value) else value)
                 for key, value in self.optimizer_state(opt)]
 
+    # -- the dtype table ---------------------------------------------------------------
+    def run_op(self, row, inp, dev, low, kind):
+        """One row of the dtype table on ``inp``: the op's data input is float32
+        (``kind`` "float32") or ``low`` ("low"); weights stay float32, as parameters do."""
+
+        def x_(a):
+            return self.tensor(a, dev, low if kind == "low" else "float32")
+
+        def w_(a):
+            return self.tensor(a, dev, "float32")
+
+        ops = {
+            "matmul": lambda: self.matmul(x_(inp["x"]), w_(inp["w"]), transpose_b=True),
+            "linear": lambda: self.linear(x_(inp["x"]), w_(inp["w"]), w_(inp["b"])),
+            "batched matmul": lambda: self.matmul(x_(inp["a3"]), w_(inp["b3"])),
+            "softmax": lambda: self.softmax(x_(inp["x"]), -1),
+            "cross-entropy": lambda: self.cross_entropy(
+                x_(inp["x"]), self.labels(inp["labels"], dev)),
+            "MSE": lambda: self.mse(x_(inp["x"]), w_(inp["x"])),
+            "sum": lambda: x_(inp["x"]).sum(),
+            "mean": lambda: x_(inp["x"]).mean(),
+            "max pool": lambda: self.F.max_pool2d(x_(inp["img"]), 2),
+            "average pool": lambda: self.F.avg_pool2d(x_(inp["img"]), 2),
+            "add low+float32": lambda: self.tensor(inp["x"], dev, low) + w_(inp["x"]),
+            **self.own_ops(x_, w_, inp, dev),
+        }
+        return ops[row]()
+
+    def run_module(self, row, inp, dev, low):
+        """The module spelling of a row, on a low-precision input."""
+        x = self.tensor(inp["x"], dev, low)
+        img = self.tensor(inp["img"], dev, low)
+        with self.on_device(dev):
+            if row == "softmax":
+                return self.nn.Softmax(-1)(x)
+            if row == "batch norm":
+                return self.place(self.nn.BatchNorm2d(3), dev)(img)
+            if row == "layer norm":
+                return self.place(self.nn.LayerNorm(8), dev)(x)
+        raise KeyError(row)
+
     # -- apex-style models (amp.initialize) --------------------------------------------
     @staticmethod
     def apex_weights(sizes, seed):
@@ -54,40 +95,37 @@ class ContractKit:
     def apex_model(self, dev, seed=0, sizes=(4, 8, 3), batch_norm=True):
         """A small float32 module with batch norm; the same weights on both frameworks."""
         with self.on_device(dev):
-            return self.place(self._apex_net()(self.apex_weights(sizes, seed), batch_norm),
-                              dev)
+            net = self.define(_apex_net)(self.apex_weights(sizes, seed), batch_norm)
+            return self.place(net, dev)
 
     def batch_norm_weight(self, model):
         return model.bn.weight
 
-    def _apex_net(self):
-        """The ``ApexNet`` class on this kit's framework (made once per kit)."""
-        if "_apex_net_class" in vars(self):
-            return self._apex_net_class
-        kit = self
 
-        class ApexNet(kit.nn.Module):
-            """Linear - BatchNorm1d - ReLU - Linear; ``seen`` records the dtypes inside
-            forward."""
+def _apex_net(kit):
+    """The ``ApexNet`` class on ``kit``'s framework."""
 
-            def __init__(self, weights, batch_norm):
-                super().__init__()
-                w1, b1, w2, b2 = (np.asarray(a, np.float32) for a in weights)
-                self.fc1 = kit.nn.Linear(w1.shape[1], w1.shape[0])
-                self.bn = kit.nn.BatchNorm1d(w1.shape[0]) if batch_norm else kit.nn.Identity()
-                self.fc2 = kit.nn.Linear(w2.shape[1], w2.shape[0])
-                for p, a in zip((self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                                 self.fc2.bias), (w1, b1, w2, b2)):
-                    kit.assign(p, a)
-                self.seen = {}
+    class ApexNet(kit.nn.Module):
+        """Linear - BatchNorm1d - ReLU - Linear; ``seen`` records the dtypes inside
+        forward."""
 
-            def forward(self, x):
-                self.seen["inputs in the model"] = kit.dtype_name(x)
-                h = self.fc1(x)
-                self.seen["activations"] = kit.dtype_name(h)
-                h = self.bn(h)
-                self.seen["batch norm output"] = kit.dtype_name(h)
-                return self.fc2(kit.relu(h))
+        def __init__(self, weights, batch_norm):
+            super().__init__()
+            w1, b1, w2, b2 = (np.asarray(a, np.float32) for a in weights)
+            self.fc1 = kit.nn.Linear(w1.shape[1], w1.shape[0])
+            self.bn = kit.nn.BatchNorm1d(w1.shape[0]) if batch_norm else kit.nn.Identity()
+            self.fc2 = kit.nn.Linear(w2.shape[1], w2.shape[0])
+            for p, a in zip((self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias),
+                            (w1, b1, w2, b2)):
+                kit.assign(p, a)
+            self.seen = {}
 
-        self._apex_net_class = ApexNet
-        return ApexNet
+        def forward(self, x):
+            self.seen["inputs in the model"] = kit.dtype_name(x)
+            h = self.fc1(x)
+            self.seen["activations"] = kit.dtype_name(h)
+            h = self.bn(h)
+            self.seen["batch norm output"] = kit.dtype_name(h)
+            return self.fc2(kit.relu(h))
+
+    return ApexNet
