@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import unified_amp as amp
 
-from .kits.torch_kit import _DT, Kit
+from .kits.torch_kit import Kit
 
 aten = torch.ops.aten
 
@@ -238,10 +238,11 @@ class FakeCudaKit(Kit):
     statistics (bypass 6). Only dtypes and devices of the results mean anything."""
 
     def __init__(self, fake: FakeCuda):
+        super().__init__("cpu")  # not "auto": torch.cuda.is_available() is faked here
         self.fake = fake
 
     def tensor(self, a, dev, dtype="float32"):
-        return torch.empty(np.shape(a), dtype=_DT[dtype], device=dev)
+        return torch.empty(np.shape(a), dtype=self.dtype_object(dtype), device=dev)
 
     def run_op(self, row, inp, dev, low, kind):
         if row != "batch norm":
