@@ -22,7 +22,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from ._interface import LOW_PRECISION
+from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .autocast import autocast
 

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 from ._ledger import GradLedger
 from ._scale_rule import check_factors, f32
 from ._scaler_state import ScalerState
-from .forensics import Forensics, OverflowReport
+from ._scaler_forensics import Forensics
+from .forensics import OverflowReport
 
 __all__: list[str] = []
 
@@ -218,7 +219,7 @@ class ScalerSurface(ScalerState):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if self.__dict__.get("_forensics") is None:
-            self._forensics = Forensics(self)
+            self._forensics = Forensics(self, self._enabled)
 
     def __repr__(self) -> str:
         return (

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import _amp_patch
-from ._interface import LOW_PRECISION
+from .interface import LOW_PRECISION
 from ._registry import get_backend
 from ._targets import is_optimizer
 from .autocast import _normalize_dtype
@@ -300,15 +301,37 @@ class _AmpState:
             scaler.scale_factor = clamped
 
 
-_state: _AmpState | None = None
+# apex's module functions (loss_scaler(), state_dict(), opt_properties(), ...) speak for
+# the latest initialize() call. Its state belongs to the models and optimizers it was
+# given: each holds it (weakly keyed here), and the latest is only pointed at weakly, so
+# once they are gone it is as if initialize() had not been called. Two initialize()
+# calls share nothing: each has its own _AmpState.
+_held: "weakref.WeakKeyDictionary[Any, _AmpState]" = weakref.WeakKeyDictionary()
+_latest: "Callable[[], _AmpState | None]" = lambda: None
+
+
+def _remember(state: _AmpState, objects: list[Any]) -> None:
+    """Makes ``state`` the latest, kept alive by ``objects`` (the call's models and
+    optimizers)."""
+    global _latest
+    held = False
+    for obj in objects:
+        try:
+            _held[obj] = state
+            held = True
+        except TypeError:  # not weakly referenceable: then the latest is held strongly
+            held = False
+            break
+    _latest = weakref.ref(state) if held else (lambda: state)
 
 
 def _current(what: str) -> _AmpState:
-    if _state is None:
+    state = _latest()
+    if state is None:
         raise RuntimeError(
             f"amp.{what} was called before amp.initialize(). Call"
             f" `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first.")
-    return _state
+    return state
 
 
 # -- initialize -------------------------------------------------------------------------
@@ -359,7 +382,6 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
         UnsupportedPrecisionError: a precision the backend cannot compute here.
         RuntimeError: a model or optimizer went through ``initialize`` already.
     """
-    global _state
     backend = get_backend()
     model_list, models_was_list = _as_list(models, f"a {backend.name} module",
                                            backend.is_module)
@@ -386,7 +408,7 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
 
     _amp_patch.check_fresh(model_list, opt_list)
     if not enabled:
-        _state = _AmpState(None, num_losses)
+        _remember(_AmpState(None, num_losses), model_list + opt_list)
         return result()
 
     params = [p for m in model_list for p in m.parameters()]
@@ -405,7 +427,7 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, low_dtype=low_dtype)
     state = _AmpState(props, num_losses)
     _amp_patch.prepare(state, model_list, opt_list)
-    _state = state
+    _remember(state, model_list + opt_list)
     return result()
 
 
@@ -440,11 +462,12 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
         ValueError: ``loss_id`` out of range.
     """
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if _state is not None and _state.props is None and not any(
+    latest = _latest()
+    if latest is not None and latest.props is None and not any(
             _amp_patch.info_of(o) for o in opts):
         yield loss  # initialize(enabled=False)
         return
-    state = _amp_patch.state_of(opts, _state)
+    state = _amp_patch.state_of(opts, latest)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int):
         raise TypeError(f"amp.scale_loss loss_id must be an int; got {loss_id!r}.")
     if not 0 <= loss_id < len(state.scalers):

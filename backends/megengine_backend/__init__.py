@@ -8,6 +8,10 @@ MegEngine has neither. ``MegEngineBackend`` is their sum.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from unified_amp import interface
+
 from .autocast import Autocasting
 from .basics import Basics
 from .distributed import Collectives
@@ -24,3 +28,8 @@ class MegEngineBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCast
     """unified_amp adapter for MegEngine 1.13 (CPU; CUDA where its CUDA build runs)."""
 
     name = "megengine"
+
+
+if TYPE_CHECKING:  # mypy holds the adapter to the interface (make typecheck)
+    _backend: interface.Backend = MegEngineBackend()
+    _optional: interface.Collectives = MegEngineBackend()

@@ -13,10 +13,12 @@ import numpy as np
 import megengine
 import megengine.functional as F
 
+from unified_amp import interface
+
 from .basics import is_low
 
 
-class ForensicsProbes:
+class ForensicsProbes(interface.ForensicsProbes):
     """What the core's forensics (unified_amp/forensics.py) reads from MegEngine."""
 
     def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
