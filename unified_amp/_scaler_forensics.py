@@ -147,9 +147,15 @@ class Forensics:
         if scaler is None:
             return
         with_grad = [p for p in params if p.grad is not None]
-        counts = backend.nonfinite_counts([p.grad for p in with_grad])
+        loss = self._loss
+        if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
+            loss = None
         # The flags recorded since this scaler's last update, whichever trace made them.
         records = self._traces.unread() if self._traces is not None else []
+        traced = bool(records) or any(t.active for t in tracing.traces())
+        # The one host read of the report (the verdict before it was the step's own).
+        counts, loss_value, finite = backend.read_overflow(
+            [p.grad for p in with_grad], loss, [r.flag for r in records])
         names = self._names(backend, records)
         bad = []
         for i, (p, (n_inf, n_nan)) in enumerate(zip(with_grad, counts)):
@@ -158,10 +164,9 @@ class Forensics:
                 bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
                                        n_inf, n_nan))
         bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
-        traced = bool(records) or any(t.active for t in tracing.traces())
-        first, samples = tracing.first_nonfinite(records) if traced else (None, ())
+        first, samples = tracing.first_nonfinite(records, finite)
         report = OverflowReport(
-            step=step, scale=scaler.get_scale(), loss=self._loss_value(),
+            step=step, scale=scaler.get_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
             first_nonfinite=first, bad_samples=samples)
         self.last = report

@@ -4,17 +4,20 @@ Two parts, both written once here over the adapter's primitives:
 
 - **Gradient reports.** Every check a GradScaler makes carries a hook. When the check's
   verdict is read on the host and says "overflow", the hook counts the inf and NaN
-  elements of each gradient it covered (``Backend.nonfinite_counts``, one host read)
-  and records an :class:`OverflowReport`: which parameters (by name, for models given
-  to ``GradScaler.watch()`` or traced), inf or NaN, the loss and the scale. Nothing
-  runs on a clean step: the hook is a Python object that is dropped unread.
+  elements of each gradient it covered and records an :class:`OverflowReport`: which
+  parameters (by name, for models given to ``GradScaler.watch()`` or traced), inf or
+  NaN, the loss and the scale. The counts, the loss and any trace flags come back in
+  one host read (``Backend.read_overflow``), so an overflow step syncs twice: its
+  verdict, then its report. Nothing runs on a clean step: the hook is a Python
+  object that is dropped unread.
   A run of skipped steps that goes on (``warn_after`` in a row, or the scale below
   ``warn_below``) raises one :class:`OverflowWarning` per run.
 - **Forward tracing** (opt-in, :func:`trace_forward`). A forward hook on every
   submodule leaves a device-side "all finite" flag for each output
   (``Backend.finite_flag``: no host read). Only when a report is made are the flags
-  read, once, to name the first module in execution order whose output was
-  non-finite, and the dtype it ran in; the model's own input is checked per sample.
+  read, in the report's one read, to name the first module in execution order whose
+  output was non-finite, and the dtype it ran in; the model's own input is checked
+  per sample.
   Outside a ``trace_forward`` block no hook is installed.
 
 Each trace keeps its own flags; each GradScaler reads those recorded since its own last
@@ -33,7 +36,7 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from .interface import LOW_PRECISION
 from ._registry import get_backend
@@ -347,7 +350,9 @@ class ForwardTrace:
     def first_nonfinite(self) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
         """Reads this trace's flags (one host read): the first module whose output was
         non-finite among those it holds, and the input samples that were."""
-        return first_nonfinite(self._records)
+        records = list(self._records)
+        _, _, finite = self._backend.read_overflow([], None, [r.flag for r in records])
+        return first_nonfinite(records, finite)
 
     def clear(self) -> None:
         """Forgets the flags this trace recorded so far."""
@@ -404,14 +409,10 @@ class Reader:
             trace._drop_before(horizon)
 
 
-def first_nonfinite(records: Iterable[_Record]) -> tuple[NonFiniteOutput | None,
-                                                         tuple[int, ...]]:
-    """Reads ``records``' flags (one host read): the first non-finite module output,
-    and the input samples that were non-finite."""
-    records = list(records)
-    if not records:
-        return None, ()
-    finite = records[0].trace._backend.read_finite_flags([r.flag for r in records])
+def first_nonfinite(records: list[_Record], finite: list[list[bool]]
+                    ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
+    """The first non-finite module output and the bad input samples, from the flags
+    of ``records`` as read back (``finite``)."""
     first: NonFiniteOutput | None = None
     samples: tuple[int, ...] = ()
     for record, ok in zip(records, finite):

@@ -184,17 +184,17 @@ class ForensicsProbes(Protocol):
     """Overflow forensics (forensics.py): never called on a clean step. (It also uses
     ``OptLevelCasting.is_module``.)"""
 
-    def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
-        """(inf elements, NaN elements) of each tensor, read back in one host sync.
-        Called only after a fused check found an inf/NaN."""
-
     def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:
         """A device-side flag: whether ``tensor`` is all finite (``per_row``: one flag
         per index of its first dimension). No host sync; used by forward tracing."""
 
-    def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
-        """Reads flags from ``finite_flag`` in one host sync: for each, a list of bools
-        (one element for a whole-tensor flag)."""
+    def read_overflow(self, grads: Sequence[Any], loss: Any, flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+        """Everything an overflow report needs from the device, in one host sync:
+        (inf elements, NaN elements) of each gradient; the value of ``loss`` (a
+        one-element tensor, or None for None); and each flag from ``finite_flag`` as a
+        list of bools (one element for a whole-tensor flag). Called only after a fused
+        check found an inf/NaN, or when a trace's flags are asked for."""
 
     def named_modules(self, model: Any) -> list[tuple[str, Any]]:
         """(dotted name, module) for ``model`` ("") and every submodule, each once."""
