@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from . import forensics as tracing
 from ._registry import get_backend
-from .forensics import BadGradient, OverflowReport, OverflowWarning
+from .forensics import BadGradient, OverflowReport, OverflowWarning, _ref
 
 __all__: list[str] = []
 
@@ -24,13 +24,6 @@ __all__: list[str] = []
 def _natural(name: str) -> list[Any]:
     # "layers.10.weight" after "layers.9.weight"
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def _ref(obj: Any) -> Callable[[], Any]:
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # not weakly referenceable: hold it
-        return lambda: obj
 
 
 def _user_stacklevel() -> int:
@@ -152,7 +145,10 @@ class Forensics:
             loss = None
         # The flags recorded since this scaler's last update, whichever trace made them.
         records = self._traces.unread() if self._traces is not None else []
-        traced = bool(records) or any(t.active for t in tracing.traces())
+        unseen = any(r.flag is None for r in records)  # a forward inside a trace
+        traced = (bool(records) or any(t.active for t in tracing.traces())) and not unseen
+        if not traced:
+            records = []
         # The one host read of the report (the verdict before it was the step's own).
         counts, loss_value, finite = backend.read_overflow(
             [p.grad for p in with_grad], loss, [r.flag for r in records])
@@ -164,11 +160,12 @@ class Forensics:
                 bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
                                        n_inf, n_nan))
         bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
-        first, samples = tracing.first_nonfinite(records, finite)
+        watched = [m for m in (ref() for ref in self._models) if m is not None]
+        first, samples = tracing.first_nonfinite(records, finite, watched)
         report = OverflowReport(
             step=step, scale=scaler.get_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
-            first_nonfinite=first, bad_samples=samples)
+            first_nonfinite=first, bad_samples=samples, forward_in_trace=unseen)
         self.last = report
         if self.history.maxlen:
             self.history.append(report)

@@ -22,9 +22,9 @@ Two parts, both written once here over the adapter's primitives:
 
 Each trace keeps its own flags; each GradScaler reads those recorded since its own last
 ``update()``, and flags are dropped only once every live scaler has passed them, so two
-scalers in one process never clear or read each other's. This module
-holds the reports and the tracing; one scaler's side (its hook, history and warning
-state) is ``_scaler_forensics.py``.
+scalers in one process never clear or read each other's. This module holds the reports
+and the tracing; one scaler's side (its hook, history and warning state) is
+``_scaler_forensics.py``.
 
 Reports read the same on both backends: parameter names are the frameworks' dotted
 module paths (the same for the same model), sorted, and the wording is fixed here.
@@ -36,10 +36,12 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from . import _tracing
 from .interface import LOW_PRECISION
 from ._registry import get_backend
+from .pinning import pin_expression
 
 __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning",
            "ForwardTrace", "trace_forward"]
@@ -86,11 +88,20 @@ class NonFiniteOutput:
         module: its dotted name in the traced model ("" is the model itself).
         type: its class name (``Linear``).
         dtype: the dtype of that output ("float16" means autocast ran it in float16).
+        pin: the module as a Python expression on the model, ``model.encoder.layer3``
+            or ``model[1]``: named from a model given to ``GradScaler.watch()`` when it
+            holds the module, else from the traced model.
     """
 
     module: str
     type: str
     dtype: str
+    pin: str = "model"
+
+    @property
+    def fix(self) -> str:
+        """The call that runs this module in float32: ``amp.keep_float32(model.x)``."""
+        return f"amp.keep_float32({self.pin})"
 
     def describe(self) -> str:
         return f"{self.module or '(model)'} ({self.type}, {self.dtype})"
@@ -112,6 +123,9 @@ class OverflowReport:
         first_nonfinite: the first traced module with a non-finite output, or None.
         bad_samples: indices (along the batch dimension) of the traced model's input
             samples that held inf/NaN.
+        forward_in_trace: the forward ran inside a traced function
+            (``megengine.jit.trace``), whose outputs :func:`trace_forward` cannot read
+            back, so ``traced`` is False.
     """
 
     step: int
@@ -122,6 +136,7 @@ class OverflowReport:
     traced: bool
     first_nonfinite: NonFiniteOutput | None
     bad_samples: tuple[int, ...]
+    forward_in_trace: bool = False
 
     @property
     def cause(self) -> str:
@@ -167,12 +182,12 @@ class OverflowReport:
             assert first is not None  # what a forward-<dtype> cause is made from
             if cause == "forward-float16":
                 return (f"first non-finite forward output: {first.describe()}, a float16"
-                        f" overflow (|x| > 65504): run that op in float32"
-                        f" (autocast(enabled=False)) or use bfloat16")
+                        f" overflow (|x| > 65504): run it in float32 with {first.fix}"
+                        f" or use bfloat16")
             if cause == "forward-bfloat16":
                 return (f"first non-finite forward output: {first.describe()}: not an"
-                        f" overflow (bfloat16 has float32's range); if that op cancels or"
-                        f" divides, run it in float32 (autocast(enabled=False)), else the"
+                        f" overflow (bfloat16 has float32's range); if it cancels or"
+                        f" divides, run it in float32 with {first.fix}, else the"
                         f" inf/NaN is genuine")
             if cause == "forward-float32":
                 return (f"first non-finite forward output: {first.describe()}, computed in"
@@ -183,7 +198,9 @@ class OverflowReport:
             where = "every traced forward output" if self.traced else "the loss"
             return (f"{where} was finite, so the scaled gradients overflowed in the"
                     f" backward pass; the scale backs off")
-        hint = "; amp.trace_forward(model) finds the layer"
+        hint = ("; the forward ran inside a traced function, where amp.trace_forward"
+                " cannot read its outputs: run one step untraced to find the layer"
+                if self.forward_in_trace else "; amp.trace_forward(model) finds the layer")
         if cause == "forward":
             return "the loss itself is inf/NaN, so the forward pass made it" + hint
         return "forward or backward pass, unknown without the loss" + hint
@@ -213,8 +230,10 @@ class OverflowReport:
                            "nan": g.nan} for g in self.gradients],
             "traced": self.traced,
             "first_nonfinite": None if first is None else
-            {"module": first.module, "type": first.type, "dtype": first.dtype},
+            {"module": first.module, "type": first.type, "dtype": first.dtype,
+             "pin": first.pin},
             "bad_samples": list(self.bad_samples),
+            "forward_in_trace": self.forward_in_trace,
             "cause": self.cause,
             "line": self.line(),
         }
@@ -278,6 +297,7 @@ class ForwardTrace:
         self._backend = backend
         self.model = model
         self._modules: list[tuple[str, str]] = []  # (name, class name) by hook index
+        self._module_refs: list[Callable[[], Any]] = []  # the modules, by hook index
         self._removers: list[Any] = []
         self._started_at = -1  # when start() last ran, on the records' clock
         self._records: list[_Record] = []  # in execution order
@@ -294,6 +314,7 @@ class ForwardTrace:
         backend = self._backend
         modules = backend.named_modules(self.model)
         self._modules = [(name, type(m).__name__) for name, m in modules]
+        self._module_refs = [_ref(m) for _, m in modules]
         self._removers = [backend.add_forward_hook(self.model, self._input_hook, pre=True)]
         for index, (_, module) in enumerate(modules):
             self._removers.append(backend.add_forward_hook(module, self._output_hook(index)))
@@ -333,6 +354,11 @@ class ForwardTrace:
 
     def _input_hook(self, module: Any, inputs: Any) -> None:
         backend = self._backend
+        if _tracing.mode(backend) is not None:
+            # Inside a trace a flag read back after a replay is not this call's value
+            # (it reads as finite); mark the forward unseen instead of flagging it.
+            self._append(_Record(self, -1, "", None, True))
+            return
         for i, (t, dtype) in enumerate(_floating_tensors(inputs, backend)):
             if len(t.shape):
                 self._append(_Record(self, i, dtype, backend.finite_flag(t, per_row=True),
@@ -342,6 +368,8 @@ class ForwardTrace:
         backend = self._backend
 
         def hook(module: Any, inputs: Any, outputs: Any) -> None:
+            if _tracing.mode(backend) is not None:
+                return  # see _input_hook
             for t, dtype in _floating_tensors(outputs, backend):
                 self._append(_Record(self, index, dtype, backend.finite_flag(t), False))
 
@@ -350,7 +378,8 @@ class ForwardTrace:
     def first_nonfinite(self) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
         """Reads this trace's flags (one host read): the first module whose output was
         non-finite among those it holds, and the input samples that were."""
-        records = list(self._records)
+        # (Forwards run inside a trace left no flag: see _input_hook.)
+        records = [r for r in self._records if r.flag is not None]
         _, _, finite = self._backend.read_overflow([], None, [r.flag for r in records])
         return first_nonfinite(records, finite)
 
@@ -409,7 +438,28 @@ class Reader:
             trace._drop_before(horizon)
 
 
-def first_nonfinite(records: list[_Record], finite: list[list[bool]]
+def _ref(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # not weakly referenceable: hold it
+        return lambda: obj
+
+
+def _pin_name(record: _Record, watched: Sequence[Any]) -> str:
+    """The dotted name of the record's module in the first watched model that holds
+    it, else in the traced model."""
+    trace = record.trace
+    module = trace._module_refs[record.index]() if trace._module_refs else None
+    if module is not None:
+        for model in watched:
+            for name, m in trace._backend.named_modules(model):
+                if m is module:
+                    return name
+    return trace._modules[record.index][0]
+
+
+def first_nonfinite(records: list[_Record], finite: list[list[bool]],
+                    watched: Sequence[Any] = ()
                     ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
     """The first non-finite module output and the bad input samples, from the flags
     of ``records`` as read back (``finite``)."""
@@ -423,5 +473,6 @@ def first_nonfinite(records: list[_Record], finite: list[list[bool]]
                 samples = tuple(i for i, row_ok in enumerate(ok) if not row_ok)
         elif first is None:
             name, kind = record.trace._modules[record.index]
-            first = NonFiniteOutput(name, kind, record.dtype)
+            first = NonFiniteOutput(name, kind, record.dtype,
+                                    pin_expression(_pin_name(record, watched)))
     return first, samples

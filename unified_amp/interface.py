@@ -81,6 +81,11 @@ class Autocasting(Protocol):
     def is_autocast_enabled(self) -> bool:
         """Whether autocast is on for the calling thread, on any device."""
 
+    def autocast_low_dtype(self, device: str) -> str | None:
+        """The low dtype autocast computes in on ``device`` right now ('float16',
+        'bfloat16'), or None where it is off (whoever turned it on: ``amp.autocast``
+        or the framework's own)."""
+
 
 @runtime_checkable
 class Gradients(Protocol):
@@ -140,10 +145,12 @@ class OptLevelCasting(Protocol):
         """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
         ``tensor`` itself if it has that dtype already."""
 
-    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
         """Casts the floating parameters and buffers of ``module`` and its submodules to
         ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
-        norm layers are left in float32 if ``keep_batchnorm_fp32``."""
+        norm layers are left in float32 if ``keep_batchnorm_fp32``; the modules in
+        ``skip`` (and everything inside them) are left alone."""
 
     def low_precision_batch_norm(self, dtype: str) -> bool:
         """Whether batch norm can hold ``dtype`` weights on this build."""
@@ -286,6 +293,34 @@ class DeviceResident(Protocol):
         the first time such an optimizer steps, so that its steps need no host sync."""
 
 
+class TracedScale(DeviceScale, Protocol):
+    """A device-resident scale a traced step can use: its ``step`` selects the old
+    parameters and optimizer state on an overflow, on the device."""
+
+    def write(self, scale: float, tracker: int, skipped: int) -> None:
+        """Copies the host's values in (outside a trace)."""
+
+
+@runtime_checkable
+class Tracing(Protocol):
+    """A framework's graph tracing (``megengine.jit.trace``), for a traced step that
+    trains as the eager one (unified_amp/_tracing.py)."""
+
+    trace_name: str  # how errors name the trace ("megengine.jit.trace")
+
+    def trace_mode(self) -> str | None:
+        """None outside a trace; "rerun" where the trace runs the Python function on
+        every call; "once" where it replays the graph alone."""
+
+    def trace_refusal(self) -> str | None:
+        """Why a step traced now could not train as the eager one (a framework
+        setting), or None."""
+
+    def device_scale(self, optimizer: Any, scale: float, tracker: int,
+                     skipped: int) -> TracedScale:
+        """The device copy of the scale that traced steps use (``optimizer`` None)."""
+
+
 @runtime_checkable
 class NativeScalerClass(Protocol):
     """A GradScaler subclass that is also the framework's own scaler class."""
@@ -334,8 +369,8 @@ class DataParallelHooks(Protocol):
 
 
 _P = TypeVar("_P")
-_OPTIONAL = (GradVersions, BackwardHooks, DeviceResident, NativeScalerClass, Collectives,
-             DataParallelHooks)
+_OPTIONAL = (GradVersions, BackwardHooks, DeviceResident, Tracing, NativeScalerClass,
+             Collectives, DataParallelHooks)
 # (adapter class, Protocol) -> whether the class provides the Protocol's methods. A fact
 # about classes, not state of any scaler: an adapter's capabilities are its methods.
 _provided: dict[tuple[type, type], bool] = {}
@@ -354,7 +389,10 @@ def capability(backend: object, protocol: type[_P]) -> _P | None:
         if protocol not in _OPTIONAL:
             raise TypeError(f"capability() takes one of the optional capabilities"
                             f" {[p.__name__ for p in _OPTIONAL]}; got {protocol!r}.")
-        members = [name for name in vars(protocol) if not name.startswith("_")]
-        provided = all(callable(getattr(type(backend), name, None)) for name in members)
+        methods = [name for name, value in vars(protocol).items()
+                   if callable(value) and not name.startswith("_")]
+        data = vars(protocol).get("__annotations__", {})
+        provided = all(callable(getattr(type(backend), name, None)) for name in methods) \
+            and all(hasattr(type(backend), name) for name in data)
         _provided[key] = provided
     return backend if provided else None  # type: ignore[return-value]

@@ -19,11 +19,10 @@ resolution of the overrides are _opt_presets.py.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from typing import Any
 
-from . import _amp_patch
+from . import _amp_patch, _amp_state
 from ._opt_presets import OptProperties, resolve_properties
 from ._registry import get_backend
 from ._targets import is_optimizer
@@ -53,6 +52,9 @@ class _AmpState:
     def __init__(self, props: OptProperties | None, num_losses: int) -> None:
         self.props = props
         self.backend = get_backend()
+        # id(model parameter) -> its master weight (O2), for amp.keep_float32 after
+        # initialize: a pinned module's weights go back to float32 from the masters.
+        self.master_of: dict[int, Any] = {}
         # The (min, max) the scale is held within; (None, None) is unbounded.
         self.bounds: tuple[float | None, float | None]
         if props is None:
@@ -89,32 +91,14 @@ class _AmpState:
             scaler.scale_factor = clamped
 
 
-# apex's module functions (loss_scaler(), state_dict(), opt_properties(), ...) speak for
-# the latest initialize() call. Its state belongs to the models and optimizers it was
-# given: each holds it (weakly keyed here), and the latest is only pointed at weakly, so
-# once they are gone it is as if initialize() had not been called. Two initialize()
-# calls share nothing: each has its own _AmpState.
-_held: "weakref.WeakKeyDictionary[Any, _AmpState]" = weakref.WeakKeyDictionary()
-_latest: "Callable[[], _AmpState | None]" = lambda: None
-
-
-def _remember(state: _AmpState, objects: list[Any]) -> None:
-    """Makes ``state`` the latest, kept alive by ``objects`` (the call's models and
-    optimizers)."""
-    global _latest
-    held = False
-    for obj in objects:
-        try:
-            _held[obj] = state
-            held = True
-        except TypeError:  # not weakly referenceable: then the latest is held strongly
-            held = False
-            break
-    _latest = weakref.ref(state) if held else (lambda: state)
+def latest() -> _AmpState | None:
+    """The state of the latest ``initialize()`` call whose models or optimizers are
+    still alive, or None."""
+    return _amp_state.latest()
 
 
 def _current(what: str) -> _AmpState:
-    state = _latest()
+    state = latest()
     if state is None:
         raise RuntimeError(
             f"amp.{what} was called before amp.initialize(). Call"
@@ -196,7 +180,7 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
 
     _amp_patch.check_fresh(model_list, opt_list)
     if not enabled:
-        _remember(_AmpState(None, num_losses), model_list + opt_list)
+        _amp_state.remember(_AmpState(None, num_losses), model_list + opt_list)
         return result()
 
     params = [p for m in model_list for p in m.parameters()]
@@ -215,7 +199,7 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, low_dtype=low_dtype)
     state = _AmpState(props, num_losses)
     _amp_patch.prepare(state, model_list, opt_list)
-    _remember(state, model_list + opt_list)
+    _amp_state.remember(state, model_list + opt_list)
     return result()
 
 
@@ -250,12 +234,12 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
         ValueError: ``loss_id`` out of range.
     """
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    latest = _latest()
-    if latest is not None and latest.props is None and not any(
+    latest_state = latest()
+    if latest_state is not None and latest_state.props is None and not any(
             _amp_patch.info_of(o) for o in opts):
         yield loss  # initialize(enabled=False)
         return
-    state = _amp_patch.state_of(opts, latest)
+    state = _amp_patch.state_of(opts, latest_state)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int):
         raise TypeError(f"amp.scale_loss loss_id must be an int; got {loss_id!r}.")
     if not 0 <= loss_id < len(state.scalers):

@@ -173,6 +173,11 @@ class FakeModule:
         for child in self._children:
             yield from child.modules()
 
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for i, child in enumerate(self._children):
+            yield from child.named_modules(f"{prefix}.{i}" if prefix else str(i))
+
     def forward(self, x):
         enabled, dtype = self.backend.autocast_state[-1]
         self.seen.append((x.dtype, dtype if enabled else None))
@@ -340,8 +345,16 @@ class FakeBackend(interface.Backend):
             return tensor
         return FakeTensor(round_to(tensor.values, dtype), dtype, deps=tensor.deps)
 
-    def cast_module(self, module, dtype, keep_batchnorm_fp32):
+    def autocast_low_dtype(self, device):
+        enabled, dtype = self.autocast_state[-1]
+        return (dtype or "float16") if enabled else None
+
+    def cast_module(self, module, dtype, keep_batchnorm_fp32, skip=()):
+        skipped = set()
         for sub in module.modules():
+            if id(sub) in skipped or any(sub is m for m in skip):
+                skipped.update(id(m) for m in sub.modules())
+                continue
             if keep_batchnorm_fp32 and sub.batch_norm:
                 continue
             for p in sub._params:
