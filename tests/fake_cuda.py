@@ -24,7 +24,7 @@ Every place where the fake differs from a GPU machine is here, once, with the re
    real kernels on constant tensors, and on this build any real CUDA kernel fails.
 4. ``torch.cuda.Event`` is a stand-in whose ``query()`` answers what the test sets in
    ``FakeCuda.events_done``: the real one needs the CUDA runtime. unified_amp's
-   telemetry (``_DeviceScale``) records one per step and must never wait on it.
+   telemetry (``TorchDeviceScale``) records one per step and must never wait on it.
 5. No autograd: the block runs under ``torch.no_grad()``, and tests set ``.grad``
    themselves where a GPU run would call backward. Building an autograd graph on a CUDA
    leaf asks the C++ runtime for a CUDA device guard, which a CPU build lacks: the
