@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from unified_amp import interface
 from unified_amp.errors import UnsupportedPrecisionError
 
 from .basics import DTYPES, LOW, default_dtype, devices
@@ -160,7 +161,7 @@ def _exit(token: tuple[list[Any], str]) -> None:
             f" compiled function (docs/COMPILE.md).")
 
 
-class Autocasting:
+class Autocasting(interface.Autocasting):
     """Switching autocast on and off, and which precisions a device computes."""
 
     def check_precision(self, dtype: str | None, device: str | None) -> None:
