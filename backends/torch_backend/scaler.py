@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import defaultdict
 from typing import Any, Sequence, cast
@@ -36,8 +37,15 @@ _HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get
 
 
 def _run_eagerly(cls: type) -> type:
+    def eager(name: str) -> Any:
+        # The core's method looked up at call time (a patched or overridden one too).
+        @functools.wraps(getattr(GradScaler, name))
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(super(cls, self), name)(*args, **kwargs)
+        return torch.compiler.disable(method)
+
     for name in _HOST_SIDE:
-        setattr(cls, name, torch.compiler.disable(getattr(GradScaler, name)))
+        setattr(cls, name, eager(name))
     factor = cast(property, inspect.getattr_static(GradScaler, "scale_factor"))
     cls.scale_factor = property(  # type: ignore[attr-defined]
         torch.compiler.disable(factor.fget), torch.compiler.disable(factor.fset),
