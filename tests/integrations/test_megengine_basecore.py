@@ -30,6 +30,8 @@ from megengine.autodiff import GradManager
 
 import unified_amp
 
+from . import pins
+
 NATIVE, OURS = megengine.amp.GradScaler, unified_amp.GradScaler
 SCALER_ARGS = dict(init_scale=2.0**4, growth_interval=2)
 N_BATCHES = 6  # per epoch; MegEngine's CPU kernels are slow, so the run is short
@@ -220,3 +222,7 @@ def test_step_grad_accumulation(tmp_path):
     _, ours = run(OURS, tmp_path, accumulate=2)
     for key in ("weights", "optimizer", "stepped"):
         assert ours[key] == documented[key], f"{key} differs"
+
+
+def test_runs_on_the_pinned_version():
+    pins.assert_installed_as_pinned("megengine", "basecore")

@@ -18,6 +18,7 @@ from accelerate import Accelerator
 
 import unified_amp
 
+from . import pins
 from . import torch_kit as kit
 
 NATIVE, OURS = torch.amp.GradScaler, unified_amp.GradScaler
@@ -78,3 +79,7 @@ def test_accelerator_same_bytes_with_either_scaler(tmp_path, accumulate, clip):
     assert sum(native["skipped"]) == 2  # accelerate saw both planted overflows skipped
     _, ours = run(OURS, tmp_path, accumulate, clip)
     kit.assert_same(native, ours)
+
+
+def test_runs_on_the_pinned_version():
+    pins.assert_installed_as_pinned("torch", "accelerate")

@@ -22,6 +22,7 @@ import unified_amp
 from enchanter.callbacks import Callback, TensorBoardLogger
 from enchanter.tasks import ClassificationRunner
 
+from . import pins
 from . import torch_kit as kit
 
 NATIVE, OURS = torch.amp.GradScaler, unified_amp.GradScaler
@@ -91,3 +92,7 @@ def test_on_cuda_ours_passes_enchanters_own_amp_check():
         ours = OURS("cuda")
     assert isinstance(ours, runner_module.amp.GradScaler)
     assert runner_module.amp is torch.cuda.amp
+
+
+def test_runs_on_the_pinned_version():
+    pins.assert_installed_as_pinned("torch", "enchanter")

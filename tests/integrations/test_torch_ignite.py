@@ -16,6 +16,7 @@ from ignite.handlers import Checkpoint, DiskSaver
 
 import unified_amp
 
+from . import pins
 from . import torch_kit as kit
 
 NATIVE, OURS = torch.amp.GradScaler, unified_amp.GradScaler
@@ -70,3 +71,7 @@ def test_supervised_trainer_same_bytes_with_either_scaler(tmp_path, accumulate):
     assert plan.calls == 2 * kit.N_BATCHES
     _, ours = run(OURS, tmp_path, accumulate)
     kit.assert_same(native, ours)
+
+
+def test_runs_on_the_pinned_version():
+    pins.assert_installed_as_pinned("torch", "pytorch-ignite")

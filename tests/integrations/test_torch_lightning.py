@@ -14,6 +14,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 
 import unified_amp
 
+from . import pins
 from . import torch_kit as kit
 
 NATIVE, OURS = torch.amp.GradScaler, unified_amp.GradScaler
@@ -84,3 +85,7 @@ def test_trainer_same_bytes_with_either_scaler(tmp_path, accumulate, clip):
     assert plan.calls == 2 * kit.N_BATCHES
     _, ours = run(OURS, tmp_path, accumulate, clip)
     kit.assert_same(native, ours)
+
+
+def test_runs_on_the_pinned_version():
+    pins.assert_installed_as_pinned("torch", "pytorch-lightning")
