@@ -189,7 +189,7 @@ class Backend(Protocol):
     # ``steps_on_device(optimizer) -> bool`` and
     #   ``device_scale(optimizer, scale, growth_tracker, skipped_steps)``: for optimizers
     #   that skip a step on the device by themselves; the latter returns an object that
-    #   keeps the scale on the device (see backends/torch_backend.py, _DeviceScale).
+    #   keeps the scale on the device (see backends/torch_backend/device_scale.py).
     #   GradScaler switches to it the first time such an optimizer steps, so that its
     #   steps need no host sync. MegEngine has no such optimizers.
 
