@@ -35,3 +35,9 @@ for _file, _modules in NEEDS.items():
             f"tests/integrations/{_file} needs {', '.join(_absent)}, which this environment"
             " lacks: `make test-integrations` installs the runners (constraints/integrations-*.txt)")
     collect_ignore.append(_file)
+
+
+def pytest_configure(config):
+    # ignite's own modules, as it imports: nothing a test here can act on.
+    for message in ("`torch.jit.script` is deprecated", "`torch.jit.interface` is deprecated"):
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:DeprecationWarning")

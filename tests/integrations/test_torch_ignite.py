@@ -22,7 +22,7 @@ from . import torch_kit as kit
 NATIVE, OURS = torch.amp.GradScaler, unified_amp.GradScaler
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:User provided device_type of 'cuda', but CUDA is not available:UserWarning")
+    "ignore:CUDA is not available or torch_xla is imported. Disabling autocast:UserWarning")
 
 
 def forward_fp16(net, x):
