@@ -58,9 +58,13 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
             if id(p) not in snapshots and backend.dtype_name(p.dtype) == "float32":
                 snapshots[id(p)] = backend.master_copy(p)
     if props.casts_model:
+        from .pinning import pinned_modules  # (pinning imports this module)
+
         for model in models:
+            # Modules pinned by amp.keep_float32 keep float32 weights, and need no masters.
             backend.cast_module(model, props.cast_model_type,
-                                bool(props.keep_batchnorm_fp32))
+                                bool(props.keep_batchnorm_fp32),
+                                skip=pinned_modules(model, backend))
     for model in models:
         setattr(model, _MODEL_ATTR, _Forward(
             model.forward,
@@ -78,6 +82,7 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
                 pairs.append((p, snapshots[id(p)]))
         if pairs:
             _replace_params(opt, pairs, backend.optimizer_state(opt))
+            state.master_of.update((id(p), m) for p, m in pairs)
         info = _OptimizerAmp(state, opt, pairs)
         setattr(opt, _OPT_ATTR, info)
         if props.scales_loss or pairs:

@@ -111,14 +111,21 @@ class Backend(Protocol):
     def default_low_dtype(self, device: str) -> str:
         """The dtype ``autocast(dtype=None)`` computes on ``device``."""
 
+    def autocast_low_dtype(self, device: str) -> str | None:
+        """The low dtype autocast computes in on ``device`` right now ('float16',
+        'bfloat16'), or None where it is off (whoever turned it on: ``amp.autocast``
+        or the framework's own)."""
+
     def cast(self, tensor: Any, dtype: str) -> Any:
         """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
         ``tensor`` itself if it has that dtype already."""
 
-    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
         """Casts the floating parameters and buffers of ``module`` and its submodules to
         ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
-        norm layers are left in float32 if ``keep_batchnorm_fp32``."""
+        norm layers are left in float32 if ``keep_batchnorm_fp32``; the modules in
+        ``skip`` (and everything inside them) are left alone."""
 
     def low_precision_batch_norm(self, dtype: str) -> bool:
         """Whether batch norm can hold ``dtype`` weights on this build."""
@@ -155,17 +162,17 @@ class Backend(Protocol):
 
     # -- overflow forensics (forensics.py): never on a clean step ----------------------
     # (and ``is_module`` above)
-    def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
-        """(inf elements, NaN elements) of each tensor, read back in one host sync.
-        Called only after a fused check found an inf/NaN."""
-
     def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:
         """A device-side flag: whether ``tensor`` is all finite (``per_row``: one flag
         per index of its first dimension). No host sync; used by forward tracing."""
 
-    def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
-        """Reads flags from ``finite_flag`` in one host sync: for each, a list of bools
-        (one element for a whole-tensor flag)."""
+    def read_overflow(self, grads: Sequence[Any], loss: Any, flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+        """Everything an overflow report needs from the device, in one host sync:
+        (inf elements, NaN elements) of each gradient; the value of ``loss`` (a
+        one-element tensor, or None for None); and each flag from ``finite_flag`` as a
+        list of bools (one element for a whole-tensor flag). Called only after a fused
+        check found an inf/NaN, or when a trace's flags are asked for."""
 
     def named_modules(self, model: Any) -> list[tuple[str, Any]]:
         """(dotted name, module) for ``model`` ("") and every submodule, each once."""

@@ -4,17 +4,20 @@ Two parts, both written once here over the adapter's primitives:
 
 - **Gradient reports.** Every check a GradScaler makes carries a hook. When the check's
   verdict is read on the host and says "overflow", the hook counts the inf and NaN
-  elements of each gradient it covered (``Backend.nonfinite_counts``, one host read)
-  and records an :class:`OverflowReport`: which parameters (by name, for models given
-  to ``GradScaler.watch()`` or traced), inf or NaN, the loss and the scale. Nothing
-  runs on a clean step: the hook is a Python object that is dropped unread.
+  elements of each gradient it covered and records an :class:`OverflowReport`: which
+  parameters (by name, for models given to ``GradScaler.watch()`` or traced), inf or
+  NaN, the loss and the scale. The counts, the loss and any trace flags come back in
+  one host read (``Backend.read_overflow``), so an overflow step syncs twice: its
+  verdict, then its report. Nothing runs on a clean step: the hook is a Python
+  object that is dropped unread.
   A run of skipped steps that goes on (``warn_after`` in a row, or the scale below
   ``warn_below``) raises one :class:`OverflowWarning` per run.
 - **Forward tracing** (opt-in, :func:`trace_forward`). A forward hook on every
   submodule leaves a device-side "all finite" flag for each output
   (``Backend.finite_flag``: no host read). Only when a report is made are the flags
-  read, once, to name the first module in execution order whose output was
-  non-finite, and the dtype it ran in; the model's own input is checked per sample.
+  read, in the report's one read, to name the first module in execution order whose
+  output was non-finite, and the dtype it ran in; the model's own input is checked
+  per sample.
   Outside a ``trace_forward`` block no hook is installed.
 
 Reports read the same on both backends: parameter names are the frameworks' dotted
@@ -32,10 +35,11 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
+from .pinning import pin_expression
 
 __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning",
            "ForwardTrace", "trace_forward"]
@@ -82,11 +86,20 @@ class NonFiniteOutput:
         module: its dotted name in the traced model ("" is the model itself).
         type: its class name (``Linear``).
         dtype: the dtype of that output ("float16" means autocast ran it in float16).
+        pin: the module as a Python expression on the model, ``model.encoder.layer3``
+            or ``model[1]``: named from a model given to ``GradScaler.watch()`` when it
+            holds the module, else from the traced model.
     """
 
     module: str
     type: str
     dtype: str
+    pin: str = "model"
+
+    @property
+    def fix(self) -> str:
+        """The call that runs this module in float32: ``amp.keep_float32(model.x)``."""
+        return f"amp.keep_float32({self.pin})"
 
     def describe(self) -> str:
         return f"{self.module or '(model)'} ({self.type}, {self.dtype})"
@@ -163,12 +176,12 @@ class OverflowReport:
             assert first is not None  # what a forward-<dtype> cause is made from
             if cause == "forward-float16":
                 return (f"first non-finite forward output: {first.describe()}, a float16"
-                        f" overflow (|x| > 65504): run that op in float32"
-                        f" (autocast(enabled=False)) or use bfloat16")
+                        f" overflow (|x| > 65504): run it in float32 with {first.fix}"
+                        f" or use bfloat16")
             if cause == "forward-bfloat16":
                 return (f"first non-finite forward output: {first.describe()}: not an"
-                        f" overflow (bfloat16 has float32's range); if that op cancels or"
-                        f" divides, run it in float32 (autocast(enabled=False)), else the"
+                        f" overflow (bfloat16 has float32's range); if it cancels or"
+                        f" divides, run it in float32 with {first.fix}, else the"
                         f" inf/NaN is genuine")
             if cause == "forward-float32":
                 return (f"first non-finite forward output: {first.describe()}, computed in"
@@ -209,7 +222,8 @@ class OverflowReport:
                            "nan": g.nan} for g in self.gradients],
             "traced": self.traced,
             "first_nonfinite": None if first is None else
-            {"module": first.module, "type": first.type, "dtype": first.dtype},
+            {"module": first.module, "type": first.type, "dtype": first.dtype,
+             "pin": first.pin},
             "bad_samples": list(self.bad_samples),
             "cause": self.cause,
             "line": self.line(),
@@ -277,6 +291,7 @@ class ForwardTrace:
         self._backend = backend
         self.model = model
         self._modules: list[tuple[str, str]] = []  # (name, class name) by hook index
+        self._module_refs: list[Callable[[], Any]] = []  # the modules, by hook index
         self._removers: list[Any] = []
 
     @property
@@ -291,6 +306,7 @@ class ForwardTrace:
         backend = self._backend
         modules = backend.named_modules(self.model)
         self._modules = [(name, type(m).__name__) for name, m in modules]
+        self._module_refs = [_ref(m) for _, m in modules]
         self._removers = [backend.add_forward_hook(self.model, self._input_hook, pre=True)]
         for index, (_, module) in enumerate(modules):
             self._removers.append(backend.add_forward_hook(module, self._output_hook(index)))
@@ -331,7 +347,9 @@ class ForwardTrace:
     def first_nonfinite(self) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
         """Reads this trace's flags (one host read): the first module whose output was
         non-finite since the last clear, and the input samples that were."""
-        return _first_nonfinite([self])
+        records = [r for r in _records if r.trace is self]
+        _, _, finite = self._backend.read_overflow([], None, [r.flag for r in records])
+        return _first_nonfinite(records, finite)
 
     def clear(self) -> None:
         """Forgets the flags recorded so far (by every trace)."""
@@ -361,12 +379,24 @@ def trace_forward(model: Any) -> ForwardTrace:
     return ForwardTrace(model)
 
 
-def _first_nonfinite(traces: list[ForwardTrace] | None = None
+def _pin_name(record: _Record, watched: Sequence[Any]) -> str:
+    """The dotted name of the record's module in the first watched model that holds
+    it, else in the traced model."""
+    trace = record.trace
+    module = trace._module_refs[record.index]() if trace._module_refs else None
+    if module is not None:
+        for model in watched:
+            for name, m in trace._backend.named_modules(model):
+                if m is module:
+                    return name
+    return trace._modules[record.index][0]
+
+
+def _first_nonfinite(records: list[_Record], finite: list[list[bool]],
+                     watched: Sequence[Any] = ()
                      ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
-    records = [r for r in _records if traces is None or r.trace in traces]
-    if not records:
-        return None, ()
-    finite = records[0].trace._backend.read_finite_flags([r.flag for r in records])
+    """The first non-finite module output and the bad input samples, from the flags
+    of ``records`` as read back (``finite``)."""
     first: NonFiniteOutput | None = None
     samples: tuple[int, ...] = ()
     for record, ok in zip(records, finite):
@@ -377,7 +407,8 @@ def _first_nonfinite(traces: list[ForwardTrace] | None = None
                 samples = tuple(i for i, row_ok in enumerate(ok) if not row_ok)
         elif first is None:
             name, kind = record.trace._modules[record.index]
-            first = NonFiniteOutput(name, kind, record.dtype)
+            first = NonFiniteOutput(name, kind, record.dtype,
+                                    pin_expression(_pin_name(record, watched)))
     return first, samples
 
 
@@ -477,12 +508,6 @@ class Forensics:
                 names.setdefault(id(p), name)
         return names
 
-    def _loss_value(self) -> float | None:
-        loss = self._loss
-        if loss is None or math.prod(int(d) for d in loss.shape) != 1:
-            return None
-        return float(loss.item())
-
     def _report(self, params: list[Any]) -> None:
         # A diagnostic must not end a training run: a failure here becomes a warning.
         try:
@@ -498,7 +523,14 @@ class Forensics:
             return
         backend = scaler._be()
         with_grad = [p for p in params if p.grad is not None]
-        counts = backend.nonfinite_counts([p.grad for p in with_grad])
+        loss = self._loss
+        if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
+            loss = None
+        traced = bool(_active or _records)
+        records = list(_records) if traced else []
+        # The one host read of the report (the verdict before it was the step's own).
+        counts, loss_value, finite = backend.read_overflow(
+            [p.grad for p in with_grad], loss, [r.flag for r in records])
         names = self._names(backend)
         bad = []
         for i, (p, (n_inf, n_nan)) in enumerate(zip(with_grad, counts)):
@@ -507,10 +539,10 @@ class Forensics:
                 bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
                                        n_inf, n_nan))
         bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
-        traced = bool(_active or _records)
-        first, samples = _first_nonfinite() if traced else (None, ())
+        watched = [m for m in (ref() for ref in self._models) if m is not None]
+        first, samples = _first_nonfinite(records, finite, watched)
         report = OverflowReport(
-            step=scaler._steps + 1, scale=scaler.get_scale(), loss=self._loss_value(),
+            step=scaler._steps + 1, scale=scaler.get_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
             first_nonfinite=first, bad_samples=samples)
         self.last = report

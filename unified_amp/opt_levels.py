@@ -264,6 +264,9 @@ class _AmpState:
     def __init__(self, props: OptProperties | None, num_losses: int) -> None:
         self.props = props
         self.backend = get_backend()
+        # id(model parameter) -> its master weight (O2), for amp.keep_float32 after
+        # initialize: a pinned module's weights go back to float32 from the masters.
+        self.master_of: dict[int, Any] = {}
         # The (min, max) the scale is held within; (None, None) is unbounded.
         self.bounds: tuple[float | None, float | None]
         if props is None:

@@ -23,6 +23,7 @@ from megengine.core.tensor import amp as _amp_state
 
 from unified_amp.errors import UnsupportedPrecisionError
 
+from .basics import dtype_name
 from .basics import is_low as _is_low
 from .basics import on_cpu as _on_cpu
 
@@ -180,3 +181,8 @@ class Autocasting:
 
     def is_autocast_enabled(self) -> bool:
         return bool(_amp_state._enabled)
+
+    def autocast_low_dtype(self, device: str) -> str | None:
+        if not _amp_state._enabled:  # one process-wide state for every device
+            return None
+        return dtype_name(_get_amp_low_prec_dtype())

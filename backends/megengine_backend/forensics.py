@@ -15,18 +15,11 @@ import megengine.functional as F
 
 from .basics import is_low
 
+_SPLIT = 4096
+
 
 class ForensicsProbes:
     """What the core's forensics (unified_amp/forensics.py) reads from MegEngine."""
-
-    def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
-        if not tensors:
-            return []
-        counts = [F.stack([F.isinf(t).astype("int32").sum().reshape(1),
-                           F.isnan(t).astype("int32").sum().reshape(1)]).reshape(2)
-                  for t in tensors]
-        rows = F.stack(counts).numpy()  # the one read
-        return [(int(n_inf), int(n_nan)) for n_inf, n_nan in rows.reshape(-1, 2)]
 
     def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:
         t = tensor.detach()
@@ -42,16 +35,38 @@ class ForensicsProbes:
         zeros = t * 0
         return zeros.reshape(rows, -1).sum(axis=1) if per_row else zeros.sum()
 
-    def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
-        if not flags:
-            return []
-        values = F.concat([f.reshape(-1) for f in flags]).numpy()  # the one read
-        out, start = [], 0
+    def read_overflow(self, grads: Sequence[Any], loss: Any, flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+        parts = []
+        for t in grads:
+            counts = F.stack([F.isinf(t).astype("int32").sum().reshape(1),
+                              F.isnan(t).astype("int32").sum().reshape(1)]).reshape(2)
+            # MegEngine has no float64: each count travels as two float32 values that
+            # hold it exactly (count // 4096 and count % 4096; float32 is exact to 2**24).
+            high = counts // _SPLIT
+            parts.append(F.concat([high, counts - high * _SPLIT]).astype("float32"))
+        if loss is not None:
+            parts.append(loss.detach().reshape(1).astype("float32"))
+        parts += [f.reshape(-1).astype("float32") for f in flags]
+        if not parts:
+            return [], None, []
+        device = parts[0].device
+        values = F.concat([p.to(device) for p in parts]).numpy()  # the one read
+        counts_out = []
+        for i in range(len(grads)):
+            high, low = values[4 * i:4 * i + 2], values[4 * i + 2:4 * i + 4]
+            counts_out.append((int(high[0]) * _SPLIT + int(low[0]),
+                               int(high[1]) * _SPLIT + int(low[1])))
+        at = 4 * len(grads)
+        loss_value = None
+        if loss is not None:
+            loss_value, at = float(values[at]), at + 1
+        finite = []
         for f in flags:
             n = math.prod(int(d) for d in f.shape)
-            out.append([bool(v) for v in np.isfinite(values[start:start + n])])
-            start += n
-        return out
+            finite.append([bool(v) for v in np.isfinite(values[at:at + n])])
+            at += n
+        return counts_out, loss_value, finite
 
     def named_modules(self, model: Any) -> list[tuple[str, Any]]:
         return list(model.named_modules())

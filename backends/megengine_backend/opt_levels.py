@@ -41,9 +41,11 @@ class OptLevelCasting:
     def cast(self, tensor: Any, dtype: str) -> Any:
         return cast(tensor, dtype)
 
-    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
+        left = {id(m) for s in skip for m in s.modules()}  # amp.keep_float32's modules
         for sub in module.modules():
-            if keep_batchnorm_fp32 and isinstance(sub, _mbn._BatchNorm):
+            if id(sub) in left or (keep_batchnorm_fp32 and isinstance(sub, _mbn._BatchNorm)):
                 continue
             tensors = [t for _, t in sub.named_parameters(recursive=False)]
             tensors += [t for _, t in sub.named_buffers(recursive=False)]

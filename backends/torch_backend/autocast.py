@@ -114,3 +114,8 @@ class Autocasting:
 
     def is_autocast_enabled(self) -> bool:
         return any(torch.is_autocast_enabled(dev) for dev in devices(None))
+
+    def autocast_low_dtype(self, device: str) -> str | None:
+        if not torch.is_autocast_enabled(device):
+            return None
+        return str(torch.get_autocast_dtype(device)).removeprefix("torch.")

@@ -112,7 +112,11 @@ class TorchDeviceScale:
         return steps, scale, int(tracker), int(skipped), bool(last)
 
     def read(self) -> tuple[float, int]:
-        return float(self.scale_t.item()), int(self.tracker_t.item())
+        # One copy to the host for both (torch.amp's get_scale() syncs once too); the
+        # float64 pair holds the float32 scale and the int32 tracker exactly.
+        scale, tracker = torch.stack([self.scale_t.double(),
+                                      self.tracker_t.double()]).cpu().tolist()
+        return scale, int(tracker)
 
     def load(self, scale: float, tracker: int | None) -> None:
         self.scale_t.fill_(scale)

@@ -14,20 +14,6 @@ import torch
 class ForensicsProbes:
     """What the core's forensics (unified_amp/forensics.py) reads from torch."""
 
-    def nonfinite_counts(self, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-        if not tensors:
-            return []
-        with torch.no_grad():
-            counts = []
-            for t in tensors:
-                t = t._values() if t.is_sparse else t
-                # A DTensor's own counts would be a collective: count this rank's shard.
-                t = t.to_local() if hasattr(t, "to_local") else t
-                counts.append(torch.stack([torch.isinf(t).sum(), torch.isnan(t).sum()]))
-            target = counts[0].device
-            rows = torch.stack([c.to(target) for c in counts]).tolist()  # the one read
-        return [(int(n_inf), int(n_nan)) for n_inf, n_nan in rows]
-
     def finite_flag(self, tensor: torch.Tensor, per_row: bool = False) -> Any:
         # min and max propagate NaN and hold any +-inf: one reduction kernel, about ten
         # times cheaper than isfinite().all() (a composite of four kernels) on CPU.
@@ -39,20 +25,39 @@ class ForensicsProbes:
             return torch.aminmax(t)
         return torch.aminmax(t.flatten(1) if t.dim() > 1 else t.unsqueeze(1), dim=1)
 
-    def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
-        if not flags:
-            return []
-        target = flags[0][0].device
-        parts = [v.reshape(-1).float().to(target) for flag in flags for v in flag]
-        values = torch.cat(parts).tolist()  # the one read
-        out, start = [], 0
+    def read_overflow(self, grads: Sequence[torch.Tensor], loss: torch.Tensor | None,
+                      flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+        parts = []
+        with torch.no_grad():
+            for t in grads:
+                t = t._values() if t.is_sparse else t
+                # A DTensor's own counts would be a collective: count this rank's shard.
+                t = t.to_local() if hasattr(t, "to_local") else t
+                parts.append(torch.stack([torch.isinf(t).sum(), torch.isnan(t).sum()]))
+            if loss is not None:
+                loss = loss.to_local() if hasattr(loss, "to_local") else loss  # this rank's
+                parts.append(loss.detach().reshape(1))
+            parts += [v.reshape(-1) for flag in flags for v in flag]  # (min, max) pairs
+            if not parts:
+                return [], None, []
+            # float64 holds every count exactly and keeps inf/NaN; one copy to the host
+            # (tolist() of a device tensor would read element by element elsewhere).
+            target = parts[0].device
+            values = torch.cat([p.to(target, torch.float64) for p in parts]).cpu().tolist()
+        counts = [(int(values[i]), int(values[i + 1])) for i in range(0, 2 * len(grads), 2)]
+        at = 2 * len(grads)
+        loss_value = None
+        if loss is not None:
+            loss_value, at = values[at], at + 1
+        finite = []
         for flag in flags:
             n = flag[0].numel()
-            lows, highs = values[start:start + n], values[start + n:start + 2 * n]
-            out.append([math.isfinite(lo) and math.isfinite(hi)
-                        for lo, hi in zip(lows, highs)])
-            start += 2 * n
-        return out
+            lows, highs = values[at:at + n], values[at + n:at + 2 * n]
+            finite.append([math.isfinite(lo) and math.isfinite(hi)
+                           for lo, hi in zip(lows, highs)])
+            at += 2 * n
+        return counts, loss_value, finite
 
     def named_modules(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
         return list(model.named_modules())

@@ -171,6 +171,11 @@ class FakeModule:
         for child in self._children:
             yield from child.modules()
 
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for i, child in enumerate(self._children):
+            yield from child.named_modules(f"{prefix}.{i}" if prefix else str(i))
+
     def forward(self, x):
         enabled, dtype = self.backend.autocast_state[-1]
         self.seen.append((x.dtype, dtype if enabled else None))
@@ -302,20 +307,17 @@ class FakeBackend:
         return flag["found"]
 
     # -- overflow forensics ----------------------------------------------------------
-    def nonfinite_counts(self, tensors):
-        self.forensic_reads += 1
-        return [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
-                for t in tensors]
-
     def finite_flag(self, tensor, per_row=False):
         self.flags_made += 1
         if per_row:  # a FakeTensor is one row per value
             return [math.isfinite(v) for v in tensor.values]
         return [all(math.isfinite(v) for v in tensor.values)]
 
-    def read_finite_flags(self, flags):
+    def read_overflow(self, grads, loss, flags):
         self.forensic_reads += 1
-        return [list(f) for f in flags]
+        counts = [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
+                  for t in grads]
+        return counts, None if loss is None else float(loss.item()), [list(f) for f in flags]
 
     def named_modules(self, model):
         return list(model.named_modules())
@@ -341,8 +343,16 @@ class FakeBackend:
             return tensor
         return FakeTensor(round_to(tensor.values, dtype), dtype, deps=tensor.deps)
 
-    def cast_module(self, module, dtype, keep_batchnorm_fp32):
+    def autocast_low_dtype(self, device):
+        enabled, dtype = self.autocast_state[-1]
+        return (dtype or "float16") if enabled else None
+
+    def cast_module(self, module, dtype, keep_batchnorm_fp32, skip=()):
+        skipped = set()
         for sub in module.modules():
+            if id(sub) in skipped or any(sub is m for m in skip):
+                skipped.update(id(m) for m in sub.modules())
+                continue
             if keep_batchnorm_fp32 and sub.batch_norm:
                 continue
             for p in sub._params:

@@ -10,6 +10,7 @@ import pytest
 
 import unified_amp as amp
 from unified_amp import forensics
+from unified_amp.pinning import pin_expression
 
 from ..spies import record_calls
 from .fake_backend import NamedModule, FakeOptimizer, FakeTensor
@@ -157,10 +158,10 @@ def test_an_overflow_step_adds_one_read_of_the_gradients(fake, net):
 def test_a_failing_report_warns_and_the_step_is_still_skipped(fake, net, monkeypatch):
     model, params, opt = net
 
-    def broken(tensors):
+    def broken(grads, loss, flags):
         raise RuntimeError("adapter bug")
 
-    monkeypatch.setattr(fake, "nonfinite_counts", broken)
+    monkeypatch.setattr(fake, "read_overflow", broken)
     scaler = amp.GradScaler().watch(model)
     with pytest.warns(RuntimeWarning, match="overflow report failed.*adapter bug"):
         step(scaler, params, opt, [[INF], [1.0]])
@@ -279,6 +280,8 @@ def test_tracing_names_the_first_nonfinite_module(fake, case, inputs, precision,
     assert (None if got is None else (got.module, got.dtype)) == first
     # Traced models name the gradients too, without watch().
     assert [g.name for g in report.gradients] == ["big.weight"]
+    # the verdict, then one read for the counts, the loss and the trace's flags together
+    assert (fake.syncs, fake.forensic_reads) == (1, 1)
 
 
 def test_the_line_says_what_to_do_about_a_float16_overflow(fake):
@@ -297,7 +300,37 @@ def test_the_line_says_what_to_do_about_a_float16_overflow(fake):
         "unified_amp: step 1 skipped (scale 4, loss inf): inf/NaN gradients in 2 of 2"
         " parameters: big.weight (1 inf of 1), small.weight (1 inf of 1); first"
         " non-finite forward output: big (NamedModule, float16), a float16 overflow"
-        " (|x| > 65504): run that op in float32 (autocast(enabled=False)) or use bfloat16")
+        " (|x| > 65504): run it in float32 with amp.keep_float32(model.big) or use"
+        " bfloat16")
+
+
+def test_the_fix_names_the_module_from_the_watched_model(fake):
+    """Traced at a submodule, watched as a whole: the pin is spelled from the watched
+    model, the way the user holds it; Sequential-style indices become subscripts."""
+    encoder = NamedModule(**{"0": NamedModule(scale=1.0, backend=fake),
+                             "layer3": NamedModule(scale=1e5, backend=fake)})
+    model = NamedModule(encoder=encoder, head=NamedModule(scale=1.0, backend=fake))
+    params = model.parameters()
+
+    def forward():
+        with amp.autocast(dtype="float16"):
+            model(FakeTensor([1.0]))
+
+    for watch, pin in ((True, "model.encoder.layer3"), (False, "model.layer3")):
+        scaler = amp.GradScaler()
+        if watch:
+            scaler.watch(model)
+        with amp.trace_forward(encoder):
+            step(scaler, params, FakeOptimizer(params), [[INF], [INF], [INF]],
+                 forward=forward)
+        first = scaler.last_overflow().first_nonfinite
+        assert (first.module, first.pin, first.fix) == (
+            "layer3", pin, f"amp.keep_float32({pin})")
+        assert f"run it in float32 with amp.keep_float32({pin})" in \
+            str(scaler.last_overflow())
+    assert pin_expression("layers.10.attn") == "model.layers[10].attn"
+    assert pin_expression("") == "model"
+    assert pin_expression("blocks.a-b") == "model.blocks['a-b']"
 
 
 def test_tracing_reads_nothing_on_a_clean_step_and_forgets_at_update(fake):

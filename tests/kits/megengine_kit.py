@@ -49,6 +49,42 @@ class _ApexNet(M.Module):
         return self.fc2(F.relu(h))
 
 
+class _Scaled(M.Module):
+    """``linear(x) * factor``: a block whose inner Linear may overflow float16 while the
+    block's own output fits it."""
+
+    def __init__(self, w, factor):
+        super().__init__()
+        self.linear = M.Linear(w.shape[1], w.shape[0])
+        self.linear.weight._reset(mge.tensor(np.asarray(w, np.float32)))
+        self.linear.bias._reset(mge.tensor(np.zeros(w.shape[0], np.float32)))
+        self.factor = factor
+
+    def forward(self, x):
+        return self.linear(x) * self.factor
+
+
+class _PinNet(M.Module):
+    """fc1 -> block (Linear, then a factor) -> head; ``seen`` records each output's dtype."""
+
+    def __init__(self, w_fc1, w_block, factor, w_head):
+        super().__init__()
+        self.fc1 = M.Linear(4, 4)
+        self.block = _Scaled(np.asarray(w_block, np.float32), factor)
+        self.head = M.Linear(4, 1)
+        for layer, w in ((self.fc1, w_fc1), (self.head, w_head)):
+            w = np.asarray(w, np.float32)
+            layer.weight._reset(mge.tensor(w))
+            layer.bias._reset(mge.tensor(np.zeros(w.shape[0], np.float32)))
+        self.seen = {}
+
+    def forward(self, x):
+        for name in ("fc1", "block", "head"):
+            x = getattr(self, name)(x)
+            self.seen[name] = np.dtype(x.dtype).name
+        return x
+
+
 class Kit(KitBase):
     name = "megengine"
 
@@ -139,6 +175,31 @@ class Kit(KitBase):
                 linear.bias = self.param(b, dev)
                 modules.append(linear)
             return M.Sequential(*modules)
+
+    def pin_model(self, dev, w_fc1, w_block, factor, w_head):
+        """``fc1 -> block.linear * factor -> head`` (Linear(4, 4), Linear(4, 4),
+        Linear(4, 1), biases 0); ``model.seen`` holds each stage's output dtype."""
+        with _on(dev):
+            return _PinNet(w_fc1, w_block, factor, w_head)
+
+    def compile_forward(self, fn):
+        """``fn`` traced as a MegEngine user would (``megengine.jit.trace``)."""
+        from megengine.jit import trace
+
+        return trace(fn, symbolic=True)
+
+    def sigmoid(self, x):
+        return F.sigmoid(x)
+
+    def registry_namespace(self, op):
+        """Where ``linear``/``sigmoid`` of this kit look the function up at call time:
+        (the namespace object, its dotted name)."""
+        return {"linear": (F.nn, "megengine.functional.nn"),
+                "sigmoid": (F, "megengine.functional")}[op]
+
+    def module_class_in_namespace(self):
+        """(a namespace, the name of a module class in it)."""
+        return M, "Linear"
 
     def host_reads(self):
         """The tensor methods that read values back to the host."""

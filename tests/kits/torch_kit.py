@@ -35,6 +35,43 @@ class _ApexNet(torch.nn.Module):
         return self.fc2(F.relu(h))
 
 
+class _Scaled(torch.nn.Module):
+    """``linear(x) * factor``: a block whose inner Linear may overflow float16 while the
+    block's own output fits it."""
+
+    def __init__(self, w, factor):
+        super().__init__()
+        self.linear = torch.nn.Linear(w.shape[1], w.shape[0])
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor(np.asarray(w, np.float32)))
+            self.linear.bias.zero_()
+        self.factor = factor
+
+    def forward(self, x):
+        return self.linear(x) * self.factor
+
+
+class _PinNet(torch.nn.Module):
+    """fc1 -> block (Linear, then a factor) -> head; ``seen`` records each output's dtype."""
+
+    def __init__(self, w_fc1, w_block, factor, w_head):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 4)
+        self.block = _Scaled(w_block, factor)
+        self.head = torch.nn.Linear(4, 1)
+        with torch.no_grad():
+            for layer, w in ((self.fc1, w_fc1), (self.head, w_head)):
+                layer.weight.copy_(torch.tensor(np.asarray(w, np.float32)))
+                layer.bias.zero_()
+        self.seen = {}
+
+    def forward(self, x):
+        for name in ("fc1", "block", "head"):
+            x = getattr(self, name)(x)
+            self.seen[name] = str(x.dtype).removeprefix("torch.")
+        return x
+
+
 class Kit(KitBase):
     name = "torch"
 
@@ -124,6 +161,28 @@ class Kit(KitBase):
                 linear.bias.copy_(self.tensor(b, "cpu"))
             modules.append(linear)
         return torch.nn.Sequential(*modules).to(dev)
+
+    def pin_model(self, dev, w_fc1, w_block, factor, w_head):
+        """``fc1 -> block.linear * factor -> head`` (Linear(4, 4), Linear(4, 4),
+        Linear(4, 1), biases 0); ``model.seen`` holds each stage's output dtype."""
+        return _PinNet(w_fc1, w_block, factor, w_head).to(dev)
+
+    def compile_forward(self, fn):
+        """``fn`` compiled as a torch user would (aot_eager: the graphs without
+        inductor's compile time)."""
+        return torch.compile(fn, backend="aot_eager")
+
+    def sigmoid(self, x):
+        return torch.sigmoid(x)
+
+    def registry_namespace(self, op):
+        """Where ``linear``/``sigmoid`` of this kit look the function up at call time:
+        (the namespace object, its dotted name)."""
+        return {"linear": (F, "torch.nn.functional"), "sigmoid": (torch, "torch")}[op]
+
+    def module_class_in_namespace(self):
+        """(a namespace, the name of a module class in it)."""
+        return torch.nn, "Linear"
 
     def host_reads(self):
         """The tensor methods that read values back to the host."""
