@@ -21,10 +21,10 @@ NATIVE, OURS = torch.amp.GradScaler, unified_amp.GradScaler
 
 
 class Net(pl.LightningModule):
-    def __init__(self, plan):
+    def __init__(self, plan, fused):
         super().__init__()
         self.net = kit.model()
-        self.plan = plan
+        self.plan, self.fused = plan, fused
         plan.attach(self.net)
 
     def training_step(self, batch, batch_idx):
@@ -32,7 +32,7 @@ class Net(pl.LightningModule):
         return self.plan.loss(self.net(x), y)
 
     def configure_optimizers(self):
-        opt = kit.optimizer(self.net)
+        opt = kit.optimizer(self.net, fused=self.fused)
         self.plan.watch(opt)
         return opt
 
@@ -45,7 +45,7 @@ class RecordScale(pl.Callback):
         self.plan.record_scale(trainer.precision_plugin.scaler)
 
 
-def run(GradScaler, tmp_path, accumulate, clip):
+def run(GradScaler, tmp_path, accumulate, clip, fused):
     """Epoch 1, a checkpoint, then a new Trainer (with a scaler at its defaults) resumed
     from that checkpoint for epoch 2."""
     plan = kit.Plan(inf_loss=(3,), inf_grad=(11,))
@@ -59,13 +59,13 @@ def run(GradScaler, tmp_path, accumulate, clip):
             enable_progress_bar=False, enable_model_summary=False)
 
     first = trainer(1, GradScaler("cpu", **kit.SCALER_ARGS))
-    first.fit(Net(plan), kit.loader())
+    first.fit(Net(plan, fused), kit.loader())
     mid = tmp_path / f"{GradScaler.__module__}-mid.ckpt"
     first.save_checkpoint(mid)
 
     scaler = GradScaler("cpu")
     second = trainer(2, scaler)
-    net = Net(plan)
+    net = Net(plan, fused)
     second.fit(net, kit.loader(), ckpt_path=mid)
     assert second.precision_plugin.scaler is scaler  # the slot kept the scaler passed
     end = tmp_path / f"{GradScaler.__module__}-end.ckpt"
@@ -77,13 +77,16 @@ def run(GradScaler, tmp_path, accumulate, clip):
                       saved_scaler=[kit.scaler_bytes(s) for s in saved])
 
 
-@pytest.mark.parametrize("accumulate, clip", [(1, None), (2, 0.5)],
-                         ids=["plain", "accumulate2-clip"])
-def test_trainer_same_bytes_with_either_scaler(tmp_path, accumulate, clip):
-    plan, native = run(NATIVE, tmp_path, accumulate, clip)
+@pytest.mark.parametrize("accumulate, clip, fused", [(1, None, False), (2, 0.5, False),
+                                                     (1, None, True)],
+                         ids=["plain", "accumulate2-clip", "fused-adam"])
+def test_trainer_same_bytes_with_either_scaler(tmp_path, accumulate, clip, fused):
+    """fused-adam: Lightning leaves the unscaling to the optimizer (it skips `unscale_`
+    for an optimizer that says `_step_supports_amp_scaling`) and forbids clipping."""
+    plan, native = run(NATIVE, tmp_path, accumulate, clip, fused)
     kit.assert_really_amp(plan, accumulate)
     assert plan.calls == 2 * kit.N_BATCHES
-    _, ours = run(OURS, tmp_path, accumulate, clip)
+    _, ours = run(OURS, tmp_path, accumulate, clip, fused)
     kit.assert_same(native, ours)
 
 

@@ -68,14 +68,28 @@ class Plan:
             self.watch(optimizer)
 
     def watch(self, optimizer):
-        optimizer.register_step_post_hook(lambda *_: self.stepped.append(self.calls))
+        """Records the micro-batch at which a step changed the weights: a skipped step
+        either never calls ``optimizer.step`` or (fused optimizers, which skip inside
+        their kernel) calls it and leaves every weight as it was."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        before = []
+
+        def pre(*_):
+            before[:] = [p.detach().clone() for p in params]
+
+        def post(*_):
+            if any(not torch.equal(a, p) for a, p in zip(before, params)):
+                self.stepped.append(self.calls)
+
+        optimizer.register_step_pre_hook(pre)
+        optimizer.register_step_post_hook(post)
 
     def record_scale(self, scaler):
         self.scales.append(scaler.get_scale())
 
 
-def optimizer(net):
-    return torch.optim.Adam(net.parameters(), lr=1e-2)
+def optimizer(net, fused=False):
+    return torch.optim.Adam(net.parameters(), lr=1e-2, fused=fused or None)
 
 
 def weights(net):
