@@ -30,6 +30,7 @@ from .errors import (
     UnifiedAmpError,
     UnknownBackendError,
     UnsupportedPrecisionError,
+    UnsupportedTraceError,
 )
 from .forensics import OverflowReport, OverflowWarning, trace_forward
 from .grad import GradManager, clip_grad_norm
@@ -77,4 +78,5 @@ __all__ = [
     "UnknownBackendError",
     "BackendUnavailableError",
     "UnsupportedPrecisionError",
+    "UnsupportedTraceError",
 ]

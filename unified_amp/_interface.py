@@ -199,6 +199,15 @@ class Backend(Protocol):
     #   keeps the scale on the device (see backends/torch_backend/device_scale.py).
     #   GradScaler switches to it the first time such an optimizer steps, so that its
     #   steps need no host sync. MegEngine has no such optimizers.
+    # ``trace_mode() -> None | "rerun" | "once"`` and ``trace_name``: whether a trace of
+    #   the framework (megengine.jit.trace) is recording or replaying now: "rerun" where
+    #   it runs the Python function on every call, "once" where it replays the graph
+    #   alone. ``trace_refusal() -> str | None``: why a step traced now could not train
+    #   as the eager one (a framework setting), or None. An adapter with ``trace_mode``
+    #   also takes ``device_scale(None, ...)``, and
+    #   its device scale has ``write(scale, tracker, skipped)`` (copy the host's values
+    #   in) and ``step`` selecting the old parameters and optimizer state on an overflow
+    #   (unified_amp/_tracing.py says when each is used).
 
     # -- optional: distributed primitives (see unified_amp/distributed.py) --------------
     # An adapter whose framework can run several processes also provides:

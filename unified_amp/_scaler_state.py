@@ -16,7 +16,7 @@ import enum
 import math
 from typing import Any, Sequence
 
-from . import distributed
+from . import _tracing, distributed
 from ._ledger import MIXED, Check, GradLedger
 from ._registry import get_backend
 from ._scale_rule import next_scale, valid_scale
@@ -62,7 +62,8 @@ class ScalerState:
     _as_of_step: int  # the step the telemetry describes (lags only in device mode)
     # Across iterations.
     _backend: Any
-    _dev: Any  # the adapter's device-resident scale, once a fused step ran
+    _dev: Any  # the adapter's device-resident scale, once a fused step ran (or a trace)
+    _trace_copy: Any  # the adapter's copy of the scale for traced steps (_tracing.py)
     _ledger: GradLedger
     _updated_by_backward: bool  # the last update() was backward()'s own
     _forensics: Forensics  # overflow reports (forensics.py)
@@ -106,6 +107,32 @@ class ScalerState:
             self._dev = backend.device_scale(optimizer, self._scale_value, self._tracker,
                                              self._skipped_steps)
         return True
+
+    def _traced(self, what: str) -> bool:
+        """Whether ``what`` runs inside a trace (_tracing.py), raising where it cannot
+        run there as it does eagerly. Inside one the scale lives on the device from
+        then on, starting from the copy kept current until then."""
+        backend = self._be()
+        if not _tracing.enter(backend, what, (self._growth_factor, self._backoff_factor)):
+            if self._dev is None and self._trace_copy is None:
+                self._mirror()  # after unpickling
+            return False
+        if self._dev is None:
+            self._dev = _tracing.take_copy(backend, what, self._trace_copy)
+        return True
+
+    def _refuse_in_trace(self, what: str, kind: str) -> None:
+        """Raises if ``what``, a call that needs the host, runs inside a trace."""
+        if self._enabled and _tracing.mode(self._be()) is not None:
+            raise _tracing.refuse(self._be(), what, kind)
+
+    def _mirror(self) -> None:
+        """Brings the adapter's trace copy of the scale up to date with the host's (a
+        trace can only use device state that is right when it starts)."""
+        if self._enabled and self._dev is None:
+            self._trace_copy = _tracing.mirror(self._be(), self._trace_copy,
+                                               self._scale_value, self._tracker,
+                                               self._skipped_steps)
 
     def _inv_scale(self) -> float:
         # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
@@ -304,6 +331,7 @@ class ScalerState:
                 )
             if checked:
                 self._count_step(found)
+            self._mirror()
         self._updated_by_backward = False
         self._ledger.prune()
         self._new_iteration()
@@ -325,9 +353,11 @@ class ScalerState:
         self._forensics.counted(skipped, self._scale_value, self._steps)
 
     def _set_scale(self, value: float) -> None:
+        self._refuse_in_trace("Setting GradScaler.scale_factor", "write")
         self._scale_value = value
         if self._dev is not None:
             self._dev.load(value, None)
+        self._mirror()
 
     def _sync_from_device(self) -> None:
         """Reads the device-resident scale and tracker back (a sync, as torch.amp's

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable, Sequence
 
+from . import _tracing
 from ._interface import LOW_PRECISION
 from ._registry import get_backend
 from .pinning import pin_expression
@@ -121,6 +122,9 @@ class OverflowReport:
         first_nonfinite: the first traced module with a non-finite output, or None.
         bad_samples: indices (along the batch dimension) of the traced model's input
             samples that held inf/NaN.
+        forward_in_trace: the forward ran inside a traced function
+            (``megengine.jit.trace``), whose outputs :func:`trace_forward` cannot read
+            back, so ``traced`` is False.
     """
 
     step: int
@@ -131,6 +135,7 @@ class OverflowReport:
     traced: bool
     first_nonfinite: NonFiniteOutput | None
     bad_samples: tuple[int, ...]
+    forward_in_trace: bool = False
 
     @property
     def cause(self) -> str:
@@ -192,7 +197,9 @@ class OverflowReport:
             where = "every traced forward output" if self.traced else "the loss"
             return (f"{where} was finite, so the scaled gradients overflowed in the"
                     f" backward pass; the scale backs off")
-        hint = "; amp.trace_forward(model) finds the layer"
+        hint = ("; the forward ran inside a traced function, where amp.trace_forward"
+                " cannot read its outputs: run one step untraced to find the layer"
+                if self.forward_in_trace else "; amp.trace_forward(model) finds the layer")
         if cause == "forward":
             return "the loss itself is inf/NaN, so the forward pass made it" + hint
         return "forward or backward pass, unknown without the loss" + hint
@@ -225,6 +232,7 @@ class OverflowReport:
             {"module": first.module, "type": first.type, "dtype": first.dtype,
              "pin": first.pin},
             "bad_samples": list(self.bad_samples),
+            "forward_in_trace": self.forward_in_trace,
             "cause": self.cause,
             "line": self.line(),
         }
@@ -329,6 +337,11 @@ class ForwardTrace:
 
     def _input_hook(self, module: Any, inputs: Any) -> None:
         backend = self._backend
+        if _tracing.mode(backend) is not None:
+            # Inside a trace a flag read back after a replay is not this call's value
+            # (it reads as finite); mark the forward unseen instead of flagging it.
+            _append(_Record(self, -1, "", None, True))
+            return
         for i, t in enumerate(_floating_tensors(inputs, backend)):
             if len(t.shape):
                 _append(_Record(self, i, backend.dtype_name(t.dtype),
@@ -338,6 +351,8 @@ class ForwardTrace:
         backend = self._backend
 
         def hook(module: Any, inputs: Any, outputs: Any) -> None:
+            if _tracing.mode(backend) is not None:
+                return  # see _input_hook
             for t in _floating_tensors(outputs, backend):
                 _append(_Record(self, index, backend.dtype_name(t.dtype),
                                 backend.finite_flag(t), False))
@@ -347,7 +362,8 @@ class ForwardTrace:
     def first_nonfinite(self) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
         """Reads this trace's flags (one host read): the first module whose output was
         non-finite since the last clear, and the input samples that were."""
-        records = [r for r in _records if r.trace is self]
+        # (Forwards run inside a trace left no flag: see _input_hook.)
+        records = [r for r in _records if r.trace is self and r.flag is not None]
         _, _, finite = self._backend.read_overflow([], None, [r.flag for r in records])
         return _first_nonfinite(records, finite)
 
@@ -526,7 +542,8 @@ class Forensics:
         loss = self._loss
         if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
             loss = None
-        traced = bool(_active or _records)
+        unseen = any(r.flag is None for r in _records)  # a forward inside a trace
+        traced = bool(_active or _records) and not unseen
         records = list(_records) if traced else []
         # The one host read of the report (the verdict before it was the step's own).
         counts, loss_value, finite = backend.read_overflow(
@@ -544,7 +561,7 @@ class Forensics:
         report = OverflowReport(
             step=scaler._steps + 1, scale=scaler.get_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
-            first_nonfinite=first, bad_samples=samples)
+            first_nonfinite=first, bad_samples=samples, forward_in_trace=unseen)
         self.last = report
         if self.history.maxlen:
             self.history.append(report)

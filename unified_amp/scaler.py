@@ -164,18 +164,21 @@ class GradScaler(ScalerSurface):
         self._last_step_skipped = False
         self._as_of_step = 0  # the step the telemetry describes (lags only in device mode)
         self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
+        self._trace_copy: Any = None  # its copy of the scale for traced steps (_tracing.py)
         self._ledger = GradLedger()
         self._updated_by_backward = False  # the last update() was backward()'s own
         self._forensics = Forensics(self)  # overflow reports (forensics.py)
         # optimizer id -> the checks behind its last step after backward()'s update()
         self._tail: dict[int, list[Check]] = {}
         self._new_iteration()
+        self._mirror()
 
     # -- loss scaling -------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or a list/tuple of tensors) times the current scale."""
         if not self._enabled:
             return outputs
+        self._traced("GradScaler.scale()")
         self._forensics.saw_loss(outputs)
         backend = self._be()
         watch = getattr(backend, "watch_backward", None)
@@ -229,6 +232,9 @@ class GradScaler(ScalerSurface):
         if not self._enabled:
             gm.backward(y, dy)
             return
+        if unscale_grad:
+            self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
+        self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
         ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
         if dy is None:
             dys = None
@@ -270,6 +276,7 @@ class GradScaler(ScalerSurface):
             ValueError: a gradient is float16.
         """
         if self._enabled:
+            self._refuse_in_trace("GradScaler.unscale()", "unscale")
             self._unscale(target, "unscale()", drop=True)
         return self
 
@@ -284,6 +291,7 @@ class GradScaler(ScalerSurface):
             RuntimeError: as ``unscale()``.
         """
         if self._enabled:
+            self._traced("GradScaler.unscale_()")
             self._unscale(optimizer, "unscale_()", drop=False)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -328,7 +336,10 @@ class GradScaler(ScalerSurface):
             result = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
             state.stage = _Stage.STEPPED
             return result
-        on_device = self._steps_on_device(optimizer)
+        # A fused optimizer skips on the device by itself; inside a trace the adapter's
+        # device scale skips for any optimizer (_tracing.py).
+        fused = self._steps_on_device(optimizer)
+        on_device = fused or self._traced("GradScaler.step()")
         params = params_of(optimizer, self._be(), "GradScaler.step()")
         pending, done, idle = self._split(params)
         if state.stage is _Stage.READY and not pending and done and not any(
@@ -348,14 +359,14 @@ class GradScaler(ScalerSurface):
             distributed.require_synced(self._be(), pending, "GradScaler.step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = on_device and not done
+            fused_unscale = fused and not done
             check = self._check(pending, idle=idle, agreement=agreement or False,
                                 unscale=not fused_unscale, read=False,
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
                 self._ledger.record(pending, check, self._version)
             checks.append(check)
-        if not checks and not on_device:
+        if not checks and not fused:
             raise RuntimeError(
                 "No inf checks were recorded for this optimizer: none of its parameters"
                 " has a gradient. Run the scaled backward pass before"
@@ -381,5 +392,8 @@ class GradScaler(ScalerSurface):
         """
         if not self._enabled:
             return
+        if new_scale is not None:
+            self._refuse_in_trace("GradScaler.update(new_scale=...)", "write")
+        self._traced("GradScaler.update()")
         self._update(new_scale)
         self._ledger.new_iteration()
