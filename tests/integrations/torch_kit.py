@@ -44,7 +44,7 @@ class Plan:
         self.inf_loss, self.inf_grad = set(inf_loss), set(inf_grad)
         self.calls = 0
         self.dtypes = set()      # of the first layer's output: what autocast made of it
-        self.stepped = []        # the micro-batch at which each real optimizer step ran
+        self.stepped = []        # the micro-batches at which a step changed the weights
         self.scales = []         # the scale after each micro-batch
 
     def loss(self, logits, y):
@@ -53,8 +53,8 @@ class Plan:
         return loss * INF if self.calls in self.inf_loss else loss
 
     def attach(self, net, optimizer=None):
-        """Plants the inf gradients on ``net`` and records ``optimizer``'s real steps
-        (a post-hook: a skipped step never calls ``optimizer.step``)."""
+        """Plants the inf gradients on ``net``, records its forward's dtype, and
+        watches ``optimizer`` (if given) for the steps that ran."""
         def poison(grad):
             if self.calls in self.inf_grad:
                 grad = grad.clone()
