@@ -22,14 +22,14 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from ._interface import LOW_PRECISION
+from .interface import LOW_PRECISION
 from ._registry import get_backend
+from ._casting import _cast_tree
 from .autocast import autocast
 
 MASTER_KEY = "unified_amp_master_weights"  # the optimizer state_dict entry (O2)
 _MODEL_ATTR = "_unified_amp_forward"
 _OPT_ATTR = "_unified_amp"
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def check_fresh(models: list[Any], optimizers: list[Any]) -> None:
@@ -141,23 +141,6 @@ class _Forward:
         self.inner = inner
         self.inputs = inputs
         self.autocast = None if autocast_dtype is None else autocast(dtype=autocast_dtype)
-
-
-def _cast_tree(x: Any, dtype: str, backend: Any, only_low: bool) -> Any:
-    """``x`` with its floating tensors cast to ``dtype`` (only the low-precision ones
-    when ``only_low``), through lists, tuples (named too) and dicts."""
-    if backend.is_tensor(x):
-        name = backend.dtype_name(x.dtype)
-        if name != dtype and name in (LOW_PRECISION if only_low else _FLOATS):
-            return backend.cast(x, dtype)
-        return x
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_cast_tree(v, dtype, backend, only_low) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cast_tree(v, dtype, backend, only_low) for v in x)
-    if isinstance(x, dict):
-        return type(x)((k, _cast_tree(v, dtype, backend, only_low)) for k, v in x.items())
-    return x
 
 
 def _amp_forward(module: Any, *args: Any, **kwargs: Any) -> Any:

@@ -21,9 +21,10 @@ from ._ledger import MIXED, Check, GradLedger
 from ._registry import get_backend
 from ._scale_rule import next_scale, valid_scale
 from ._targets import is_optimizer, params_of
-from .forensics import Forensics
+from ._scaler_forensics import Forensics
+from .interface import Backend, DeviceResident, DeviceScale, GradVersions, capability
 
-__all__: list[str] = []
+__all__ = ["AdapterView"]
 
 
 class _Stage(enum.Enum):
@@ -61,8 +62,9 @@ class ScalerState:
     _last_step_skipped: bool
     _as_of_step: int  # the step the telemetry describes (lags only in device mode)
     # Across iterations.
-    _backend: Any
-    _dev: Any  # the adapter's device-resident scale, once a fused step ran (or a trace)
+    _backend: Backend | None
+    _dev: DeviceScale | None  # the adapter's device-resident scale, once a fused step ran
+    #                           (or a trace)
     _trace_copy: Any  # the adapter's copy of the scale for traced steps (_tracing.py)
     _ledger: GradLedger
     _updated_by_backward: bool  # the last update() was backward()'s own
@@ -70,7 +72,12 @@ class ScalerState:
     _tail: dict[int, list[Check]]  # optimizer id -> the checks behind its last step
     #                                after backward()'s update()
 
-    def _be(self) -> Any:
+    @property
+    def adapter_view(self) -> AdapterView:
+        """The declared members an adapter's subclass may read (:class:`AdapterView`)."""
+        return AdapterView(self)
+
+    def _be(self) -> Backend:
         if self._backend is None:
             self._backend = get_backend()
         return self._backend
@@ -96,12 +103,12 @@ class ScalerState:
     @property
     def _version(self) -> Any:
         """The adapter's gradient version counter, or a stand-in that has none."""
-        return getattr(self._be(), "grad_version", _no_version)
+        versions = capability(self._be(), GradVersions)
+        return _no_version if versions is None else versions.grad_version
 
     def _steps_on_device(self, optimizer: Any) -> bool:
-        backend = self._be()
-        supported = getattr(backend, "steps_on_device", None)
-        if supported is None or not supported(optimizer):
+        backend = capability(self._be(), DeviceResident)
+        if backend is None or not backend.steps_on_device(optimizer):
             return False
         if self._dev is None:
             self._dev = backend.device_scale(optimizer, self._scale_value, self._tracker,
@@ -225,7 +232,7 @@ class ScalerState:
         else:
             check = Check(None, False) if flag is None else Check(flag, None)
         if check.found is None:
-            check.on_overflow = self._forensics.hook(params)
+            check.on_overflow = self._forensics.hook(params, backend, self._steps + 1)
         if read:
             check.verdict(self._read)  # the one sync
         self._checks.append(check)
@@ -248,6 +255,7 @@ class ScalerState:
                     " scaler.step(optimizer) (step() unscales by itself when you don't)."
                 )
         params = params_of(target, self._be(), f"GradScaler.{what}")
+        distributed.note_module(self._be(), target)
         pending, done, idle = self._split(params)
         if done:
             raise RuntimeError(
@@ -284,6 +292,7 @@ class ScalerState:
         if any(c.found is True for c in checks):
             return None
         if on_device:
+            assert self._dev is not None  # _steps_on_device() made it
             return self._dev.step(optimizer, fused_unscale,
                                   [c.ready() for c in checks if c.flag is not None],
                                   args, kwargs)
@@ -367,6 +376,67 @@ class ScalerState:
 
     def _valid_scale(self, value: Any, what: str) -> float:
         return valid_scale(value, what, self._be)
+
+
+class AdapterView:
+    """What an adapter's GradScaler subclass may read of the core's state (the torch
+    adapter's ``TorchGradScaler`` derives torch.amp's private attributes from it), and
+    nothing else: ``scaler.adapter_view``. Members:
+
+    - ``enabled``, ``device`` (the constructor's, or None), ``device_scale`` (the
+      adapter's :class:`~unified_amp.interface.DeviceScale` once a fused optimizer
+      stepped, else None);
+    - ``host_scale()``: (scale, growth tracker) as the host holds them, no sync (in
+      device mode, as last read back); ``synced_scale()``: the same after reading the
+      device values back (a sync in device mode, as ``get_scale()``);
+    - ``stages()``: per optimizer (keyed by ``id()``) in this iteration, its stage
+      ("READY", "UNSCALED" or "STEPPED", torch.amp's names) and the checks behind it;
+      ``checks_of(optimizer)``: those checks. A check's ``flag`` (a device flag or
+      None), ``found`` (True, False, or None while unread) and ``ready()`` (the flag,
+      once any all-reduce of it finished) are the declared members of a check;
+    - ``check_only(optimizer)``: checks the optimizer's gradients without unscaling
+      them (torch's older ``step(grad_scaler=...)`` contract: the optimizer unscales),
+      recorded for that optimizer and counted by the next ``update()``.
+    """
+
+    __slots__ = ("_scaler",)
+
+    def __init__(self, scaler: ScalerState) -> None:
+        self._scaler = scaler
+
+    @property
+    def enabled(self) -> bool:
+        return self._scaler._enabled
+
+    @property
+    def device(self) -> str | None:
+        return self._scaler._device
+
+    @property
+    def device_scale(self) -> DeviceScale | None:
+        return self._scaler._dev
+
+    def host_scale(self) -> tuple[float, int]:
+        return self._scaler._scale_value, self._scaler._tracker
+
+    def synced_scale(self) -> tuple[float, int]:
+        self._scaler._sync_from_device()
+        return self.host_scale()
+
+    def stages(self) -> dict[int, tuple[str, list[Check]]]:
+        return {key: (state.stage.name, list(state.checks))
+                for key, state in self._scaler._opt_states.items()}
+
+    def checks_of(self, optimizer: Any) -> list[Check]:
+        state = self._scaler._opt_states.get(id(optimizer))
+        return [] if state is None else list(state.checks)
+
+    def check_only(self, optimizer: Any) -> Check:
+        scaler = self._scaler
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        check = scaler._check(params, unscale=False, read=False, allow_fp16=True)
+        scaler._opt_state(optimizer).checks.append(check)
+        return check
 
 
 def _no_version(grad: Any) -> None:

@@ -11,7 +11,8 @@ from . import _tracing
 from ._ledger import GradLedger
 from ._scale_rule import check_factors, f32
 from ._scaler_state import ScalerState
-from .forensics import Forensics, OverflowReport
+from ._scaler_forensics import Forensics
+from .forensics import OverflowReport
 
 __all__: list[str] = []
 
@@ -227,7 +228,7 @@ class ScalerSurface(ScalerState):
         self.__dict__.update(state)
         self.__dict__.setdefault("_trace_copy", None)  # pickled before traces were known
         if self.__dict__.get("_forensics") is None:
-            self._forensics = Forensics(self)
+            self._forensics = Forensics(self, self._enabled)
 
     def __repr__(self) -> str:
         # Inside a trace the scale is on the device, and reading it is refused.

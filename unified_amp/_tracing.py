@@ -19,6 +19,7 @@ from typing import Any
 
 from ._scale_rule import f32
 from .errors import UnsupportedTraceError
+from .interface import Tracing, capability
 
 RERUN = "rerun"
 ONCE = "once"
@@ -67,12 +68,13 @@ _HOST_CALLS = {
 
 def mode(backend: Any) -> str | None:
     """The adapter's answer: None (no trace), RERUN or ONCE."""
-    probe = getattr(backend, "trace_mode", None)
-    return None if probe is None else probe()
+    tracer = capability(backend, Tracing)
+    return None if tracer is None else tracer.trace_mode()
 
 
 def _name(backend: Any) -> str:
-    return str(getattr(backend, "trace_name", "a trace"))
+    tracer = capability(backend, Tracing)
+    return "a trace" if tracer is None else str(tracer.trace_name)
 
 
 def refuse(backend: Any, what: str, kind: str) -> UnsupportedTraceError:
@@ -98,8 +100,8 @@ def enter(backend: Any, what: str, factors: tuple[float, float]) -> bool:
             f" (without_host=False), which checks, skips and updates the scale on the"
             f" device. {_MOVE_OUT} This call changed nothing."
         )
-    refusal = getattr(backend, "trace_refusal", None)
-    why = None if refusal is None else refusal()
+    tracer = capability(backend, Tracing)
+    why = None if tracer is None else tracer.trace_refusal()
     if why:
         raise UnsupportedTraceError(
             f"{what} was called inside {_name(backend)}: {why} {_MOVE_OUT} This call"
@@ -126,12 +128,13 @@ def mirror(backend: Any, copy: Any, scale: float, tracker: int, skipped: int) ->
     replays: "expect external node, got internal"), so the copy exists from the
     scaler's construction and follows every host-side change until the first trace.
     """
-    if getattr(backend, "trace_mode", None) is None:
+    tracer = capability(backend, Tracing)
+    if tracer is None:
         return None
     if copy is None:
         if mode(backend) is not None:
             return None
-        return backend.device_scale(None, scale, tracker, skipped)
+        return tracer.device_scale(None, scale, tracker, skipped)
     copy.write(scale, tracker, skipped)
     return copy
 

@@ -27,8 +27,9 @@ import sys
 import types
 from typing import Any, Callable
 
-from ._amp_patch import _cast_tree
-from ._interface import LOW_PRECISION
+from . import _amp_state
+from ._casting import _cast_tree
+from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .autocast import autocast
 
@@ -157,9 +158,7 @@ def _resolve(namespace: Any, name: Any, caller: str) -> tuple[Any, Callable[...,
 
 
 def _check_not_initialized(caller: str, namespace: Any, name: str) -> None:
-    from . import opt_levels
-
-    state = opt_levels._state
+    state = _amp_state.latest()
     if state is not None and state.props is not None:
         raise RuntimeError(
             f"amp.{caller}({getattr(namespace, '__name__', namespace)!r}, {name!r}) was"

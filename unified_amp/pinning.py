@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._amp_patch import _cast_tree
-from ._interface import LOW_PRECISION
+from . import _amp_state
+from ._casting import _cast_tree
+from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .autocast import autocast
 
@@ -154,9 +155,7 @@ def _pin(module: Any, backend: Any) -> None:
 
 
 def _refill_from_masters(module: Any, backend: Any) -> None:
-    from . import opt_levels  # the latest initialize's state
-
-    state = opt_levels._state
+    state = _amp_state.latest()  # the latest initialize's
     master_of = getattr(state, "master_of", None) if state is not None else None
     if not master_of:
         return

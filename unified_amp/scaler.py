@@ -46,12 +46,13 @@ from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from ._ledger import Check, GradLedger
 from ._registry import get_backend
 from ._scale_rule import check_factors, f32, next_scale
-from ._scaler_state import _Stage
+from ._scaler_state import AdapterView, _Stage
 from ._scaler_surface import ScalerSurface
 from ._targets import _short, is_optimizer, params_of
-from .forensics import Forensics
+from ._scaler_forensics import Forensics
+from .interface import BackwardHooks, NativeScalerClass, capability
 
-__all__ = ["GradScaler", "next_scale"]
+__all__ = ["GradScaler", "AdapterView", "next_scale"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,9 +116,9 @@ class GradScaler(ScalerSurface):
         if cls is GradScaler:
             # The adapter may name a subclass that is also its framework's own scaler
             # class (torch.amp.GradScaler), so that isinstance checks in runners pass.
-            choose = getattr(get_backend(), "scaler_class", None)
-            if choose is not None:
-                cls = choose(device_of_call(args, kwargs))
+            native = capability(get_backend(), NativeScalerClass)
+            if native is not None:
+                cls = native.scaler_class(device_of_call(args, kwargs))
         return super().__new__(cls)
 
     @overload
@@ -137,7 +138,7 @@ class GradScaler(ScalerSurface):
                        a["growth_interval"])
         if not isinstance(a["enabled"], bool):
             raise TypeError(f"GradScaler enabled must be a bool; got {a['enabled']!r}.")
-        self._backend: Any = None
+        self._backend = None
         self._enabled = a["enabled"]
         device = a["device"]
         if device is not None and not isinstance(device, str):
@@ -167,7 +168,7 @@ class GradScaler(ScalerSurface):
         self._trace_copy: Any = None  # its copy of the scale for traced steps (_tracing.py)
         self._ledger = GradLedger()
         self._updated_by_backward = False  # the last update() was backward()'s own
-        self._forensics = Forensics(self)  # overflow reports (forensics.py)
+        self._forensics = Forensics(self, self._enabled)  # overflow reports (forensics.py)
         # optimizer id -> the checks behind its last step after backward()'s update()
         self._tail: dict[int, list[Check]] = {}
         self._new_iteration()
@@ -181,13 +182,13 @@ class GradScaler(ScalerSurface):
         self._traced("GradScaler.scale()")
         self._forensics.saw_loss(outputs)
         backend = self._be()
-        watch = getattr(backend, "watch_backward", None)
+        hooks = capability(backend, BackwardHooks)
 
         def apply(val: Any, where: str) -> Any:
             if backend.is_tensor(val):
                 out = self._dev.scale(val) if self._dev is not None else backend.scale(
                     val, self._scale_value)
-                if watch is not None and watch(out, self._on_scaled_backward):
+                if hooks is not None and hooks.watch_backward(out, self._on_scaled_backward):
                     self._handed_watched = True
                 else:
                     self._handed_blind = True

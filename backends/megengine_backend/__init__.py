@@ -9,6 +9,10 @@ only); ``scaler`` says why MegEngine has no native scaler subclass.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from unified_amp import interface
+
 from .autocast import Autocasting
 from .basics import Basics
 from .device_scale import TracedSteps
@@ -26,3 +30,9 @@ class MegEngineBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCast
     """unified_amp adapter for MegEngine 1.13 (CPU; CUDA where its CUDA build runs)."""
 
     name = "megengine"
+
+
+if TYPE_CHECKING:  # mypy holds the adapter to the interface (make typecheck)
+    _backend: interface.Backend = MegEngineBackend()
+    _collectives: interface.Collectives = MegEngineBackend()
+    _tracing: interface.Tracing = MegEngineBackend()

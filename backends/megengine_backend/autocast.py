@@ -21,6 +21,7 @@ from megengine.core._imperative_rt.core2 import (
 )
 from megengine.core.tensor import amp as _amp_state
 
+from unified_amp import interface
 from unified_amp.errors import UnsupportedPrecisionError
 
 from .basics import dtype_name
@@ -146,7 +147,7 @@ def _restore_autocast(saved: tuple) -> None:
     _config._reset_execution_config(*configs)
 
 
-class Autocasting:
+class Autocasting(interface.Autocasting):
     """Switching autocast on and off, and which precisions a device computes."""
 
     def check_precision(self, dtype: str | None, device: str | None) -> None:

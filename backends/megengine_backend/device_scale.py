@@ -35,6 +35,8 @@ from megengine.functional.math import _check_non_finite
 from megengine.jit import exclude_from_trace
 from megengine.jit import tracing as _tracing
 
+from unified_amp import interface
+
 
 def _f32_grads(grads: Sequence[Any]) -> None:
     for g in grads:
@@ -46,7 +48,7 @@ def _f32_grads(grads: Sequence[Any]) -> None:
             )
 
 
-class DeviceScale:
+class DeviceScale(interface.TracedScale):
     """The scaler's scale, growth tracker, skipped-step count and last verdict as
     MegEngine tensors, with the step's check, skip and scale update as device ops."""
 
@@ -163,7 +165,7 @@ class DeviceScale:
             self.tracker_t._reset(megengine.tensor(tracker, dtype="int32"))
 
 
-class TracedSteps:
+class TracedSteps(interface.Tracing):
     """Whether a ``megengine.jit.trace`` is running, and the scale that lives on the
     device for it (unified_amp/_tracing.py has the policy)."""
 

@@ -13,6 +13,8 @@ import megengine.module.batchnorm as _mbn
 from megengine.core.tensor.dtype import bfloat16
 from megengine.module import Module as _Module
 
+from unified_amp import interface
+
 from .basics import dtype_name, on_cpu
 
 
@@ -22,7 +24,7 @@ def cast(tensor: Any, dtype: str) -> Any:
     return tensor.astype(bfloat16 if dtype == "bfloat16" else dtype)
 
 
-class OptLevelCasting:
+class OptLevelCasting(interface.OptLevelCasting):
     """Casting modules and tensors, master copies, and moving gradients between them.
 
     MegEngine has no multi-tensor kernels (its own optimizers loop over parameters in

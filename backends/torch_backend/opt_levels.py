@@ -10,12 +10,14 @@ from typing import Any, Sequence
 
 import torch
 
+from unified_amp import interface
+
 from .basics import ALL_DTYPES, default_dtype
 
 _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm
 
 
-class OptLevelCasting:
+class OptLevelCasting(interface.OptLevelCasting):
     """Casting modules and tensors, master copies, and moving gradients between them."""
 
     def is_module(self, obj: Any) -> bool:

@@ -96,7 +96,7 @@ def test_the_pinned_layer_runs_in_float32_and_the_steps_are_taken(kit, device):
     assert scaler.stats()["skipped_steps"] == 0 and scaler.last_overflow() is None
     assert model.seen == {"fc1": "float16", "block": "float32", "head": "float16"}
     assert weights(kit, model) != before
-    assert all(kit.dtype(p) == "float32" for p in model.parameters())
+    assert all(kit.dtype_name(p) == "float32" for p in model.parameters())
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -123,7 +123,7 @@ def test_under_opt_levels_the_overflow_skips_and_the_pin_fixes_it(kit, device, l
     assert amp.loss_scaler().stats()["skipped_steps"] == 0
     assert model.seen == {"fc1": "float16", "block": "float32", "head": "float16"}
     low = "float16" if level == "O2" else "float32"
-    assert [kit.dtype(p) for p in (model.fc1.weight, model.block.linear.weight,
+    assert [kit.dtype_name(p) for p in (model.fc1.weight, model.block.linear.weight,
                                    model.head.weight)] == [low, "float32", low]
     stepped = list(amp.master_params(opt))
     # A float32 weight needs no master: the optimizer steps the pinned weight itself.
@@ -139,9 +139,9 @@ def test_pinning_after_o2_casts_the_weights_back_from_their_masters(kit, device)
     assert bits([exact]) != bits([W_BLOCK.astype(np.float32)])
     model, opt = amp.initialize(model, kit.sgd(list(model.parameters()), LR),
                                 opt_level="O2", low_dtype="float16", max_loss_scale=64.0)
-    assert kit.dtype(model.block.linear.weight) == "float16"
+    assert kit.dtype_name(model.block.linear.weight) == "float16"
     amp.keep_float32(model.block.linear)
-    assert kit.dtype(model.block.linear.weight) == "float32"
+    assert kit.dtype_name(model.block.linear.weight) == "float32"
     assert bits([kit.numpy(model.block.linear.weight)]) == bits([exact])  # the master's
     apex_steps(kit, device, model, opt)
     assert amp.loss_scaler().stats()["skipped_steps"] == 0
@@ -153,7 +153,7 @@ def test_pinning_after_o2_casts_the_weights_back_from_their_masters(kit, device)
                and bits([kit.numpy(m)]) == bits([kit.numpy(model.block.linear.weight)])]
     assert stepped
     amp.keep_float32(model.block.linear, enabled=False)
-    assert kit.dtype(model.block.linear.weight) == "float16"  # as O2 had it
+    assert kit.dtype_name(model.block.linear.weight) == "float16"  # as O2 had it
 
 
 def test_pin_is_idempotent_undone_and_names_a_non_module(kit, device, backend):
@@ -219,5 +219,5 @@ def test_a_compiled_or_traced_forward_keeps_the_pinned_dtypes(kit, device):
         out = compiled(x)
     assert eager_seen == {"fc1": "float16", "block": "float32", "head": "float16"}
     assert model.seen == eager_seen
-    assert kit.dtype(out) == "float16"
+    assert kit.dtype_name(out) == "float16"
     assert bits([kit.numpy(out)]) == bits([eager])

@@ -9,7 +9,9 @@ import collections
 import math
 import struct
 import threading
+from typing import TYPE_CHECKING
 
+from unified_amp import interface
 from unified_amp.errors import UnsupportedPrecisionError
 
 
@@ -232,7 +234,7 @@ class _Tape:
                                          p.dtype)
 
 
-class FakeBackend:
+class FakeBackend(interface.Backend):
     name = "fake"
 
     def __init__(self):
@@ -430,7 +432,8 @@ class _FakeWork:
         self.waited = True
 
 
-class DistributedFakeBackend(FakeBackend):
+class DistributedFakeBackend(FakeBackend, interface.Collectives,
+                             interface.DataParallelHooks):
     """The fake backend with the distributed primitives, for ranks run as threads.
 
     A tensor's ``kind`` attribute says what grad_kind() reports ("local", "sharded",
@@ -493,3 +496,10 @@ class DistributedFakeBackend(FakeBackend):
     def module_clip_grad_norm(self, module, max_norm, norm_type):
         own = getattr(module, "clip_grad_norm_", None)
         return None if own is None else own(max_norm, norm_type)
+
+
+if TYPE_CHECKING:  # mypy holds the fake to the same interface as the adapters
+    _backend: interface.Backend = FakeBackend()
+    _distributed: interface.Backend = DistributedFakeBackend()
+    _collectives: interface.Collectives = DistributedFakeBackend()
+    _data_parallel: interface.DataParallelHooks = DistributedFakeBackend()

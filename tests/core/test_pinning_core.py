@@ -2,6 +2,7 @@
 around a pinned forward and a registered function, independent of any framework."""
 
 import copy
+import gc
 import pickle
 import sys
 import types
@@ -9,15 +10,17 @@ import types
 import pytest
 
 import unified_amp as amp
-from unified_amp import cast_registry, opt_levels
+from unified_amp import cast_registry
 
 from .fake_backend import FakeModule, FakeOptimizer, FakeTensor
 
 
 @pytest.fixture(autouse=True)
 def _forget_state():
+    # Earlier tests' initialize() calls end with their models and optimizers, which
+    # wait in reference cycles (their patched methods): collect them.
+    gc.collect()
     yield
-    opt_levels._state = None
     cast_registry._unregister_all()
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import unified_amp as amp
-from unified_amp import _registry
+from unified_amp import _registry, interface
 from unified_amp._scale_rule import next_scale
 
 from .fake_backend import FakeBackend, FakeOptimizer, FakeTensor, linear_loss
@@ -70,7 +70,7 @@ class FakeDeviceScale:
             self.tracker_v = tracker
 
 
-class TracingFake(FakeBackend):
+class TracingFake(FakeBackend, interface.Tracing):
     trace_name = "fake.trace"
 
     def __init__(self):
@@ -81,6 +81,9 @@ class TracingFake(FakeBackend):
 
     def trace_mode(self):
         return self.tracing
+
+    def trace_refusal(self):
+        return None  # no framework setting stands in the way
 
     def device_scale(self, optimizer, scale, tracker, skipped):
         assert optimizer is None and self.tracing is None  # made outside any trace
