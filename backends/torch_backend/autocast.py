@@ -141,13 +141,15 @@ def _exit(token: tuple[list[Any], str]) -> None:
     lost = [ctx.device for ctx in contexts
             if torch.is_autocast_enabled(ctx.device) != ctx._enabled
             or (ctx._enabled and torch.get_autocast_dtype(ctx.device) != ctx.fast_dtype)]
-    if action == "pushed":
+    if action == "pushed" and _top_is_contract():
         torch._C._pop_torch_function_stack()
     elif action == "popped":
         torch._C._push_on_torch_function_stack(CONTRACT)
-    for ctx in reversed(contexts):
-        ctx.__exit__(None, None, None)
-    if lost:
+    if not lost:
+        for ctx in reversed(contexts):
+            ctx.__exit__(None, None, None)
+    else:  # their entry never took effect here: exiting would unbalance torch's nesting
+        torch.clear_autocast_cache()  # no weight cast made in the broken block is reused
         # What a graph break inside the block does under torch.compile: dynamo compiles
         # the block's entry into a graph of its own, whose autocast switches AOTAutograd
         # drops, and resumes the body without autocast. Say so before the body's results
