@@ -380,6 +380,25 @@ class GradScaler:
                 f" the loss itself."
             )
 
+    def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str
+                        ) -> tuple[Any, bool]:
+        """Whether ``pending`` may be unscaled: returns ``(agreement, unscale)`` for
+        ``_check``, or raises if nothing was scaled since the last update.
+
+        One exception to the raise: a rank of a job whose checks are agreed across ranks
+        (a process_group, FSDP) that had no loss this step -- an empty micro-batch, an
+        expert that got no tokens -- may still hold gradients (zeroed in place). They are
+        not scaled, so they are checked as they are, not divided, and the rank joins the
+        other ranks' decision instead of leaving them waiting in the collective.
+        """
+        if self._handed_watched or self._handed_blind:
+            self._require_scaled(what)  # raises only if no backward used the scale
+            return False, True
+        agreement = distributed.plan(self._be(), pending, idle, self._process_group)
+        if agreement is None:
+            self._require_scaled(what)  # raises
+        return agreement, False
+
     def _check(self, params: list[Any], *, idle: Sequence[Any] = (), agreement: Any = False,
                unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
         """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
@@ -451,14 +470,16 @@ class GradScaler:
                 f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
                 f" gradients that were not cleared also adds to unscaled ones."
             )
+        agreement, unscale = False, True
         if pending:
-            self._require_scaled(what)
+            agreement, unscale = self._scaled_or_idle(pending, idle, what)
             distributed.require_synced(self._be(), pending, f"GradScaler.{what}")
         if state is not None:
             self._steps_on_device(target)  # a fused optimizer moves the scale to the device
         # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
         # in step(), as torch.amp does.
-        check = self._check(pending, idle=idle, read=drop)
+        check = self._check(pending, idle=idle, agreement=agreement, unscale=unscale,
+                            read=drop)
         if drop and check.found:
             self._be().drop_grads(pending)
         self._ledger.record(pending, check, self._version)
@@ -644,13 +665,15 @@ class GradScaler:
             # No gradient here, but another rank may have some: take part in its check.
             agreement = distributed.plan(self._be(), [], idle, self._process_group)
         if state.stage is _Stage.READY and (pending or agreement is not None):
-            self._require_scaled("step()")
+            unscale = True
+            if pending:
+                agreement, unscale = self._scaled_or_idle(pending, idle, "step()")
             distributed.require_synced(self._be(), pending, "GradScaler.step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = on_device and not done
+            fused_unscale = on_device and not done and unscale
             check = self._check(pending, idle=idle, agreement=agreement or False,
-                                unscale=not fused_unscale, read=False,
+                                unscale=unscale and not fused_unscale, read=False,
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
                 self._ledger.record(pending, check, self._version)
