@@ -350,15 +350,34 @@ class GradScaler:
             else:
                 idle.append(p)
         if mixed:
-            raise RuntimeError(
-                f"{mixed} of the {len(params)} gradients were unscaled, then a backward"
-                f" pass added scaled gradients to them before update(): they now mix"
-                f" unscaled and scaled values, and no unscale can fix that. When"
-                f" accumulating micro-batches, unscale once, after the last backward (if"
-                f" you zeroed the gradients in place between iterations without calling"
-                f" update(), set them to None instead)."
-            )
+            raise _mixed_error(mixed, len(params))
         return pending, list(done.values()), idle
+
+    def _rescale_held(self, params: list[Any]) -> None:
+        """Brings gradients this scaler unscaled, and that still hold those values,
+        back to the current scale, in one fused multiply: the backward about to run
+        adds scaled gradients to them, and one unscale afterwards then gives the true
+        sum (automatic mode's accumulation; docs/DROP_IN.md)."""
+        held, mixed = [], 0
+        version = self._version
+        for p in params:
+            check = self._ledger.lookup(p, version)
+            if check is MIXED:
+                mixed += 1
+            elif check is not None and p.grad is not None:
+                held.append(p)  # (a gradient dropped on overflow holds nothing)
+        if mixed:
+            raise _mixed_error(mixed, len(params))
+        if not held:
+            return
+        grads = self._be().grads(held)
+        # The fused check-and-multiply kernel, given the scale where an unscale gives
+        # its reciprocal; the flag is not read: a gradient that is inf/NaN (or becomes
+        # so) stays so, and the unscale after the backward finds it.
+        if self._dev is not None:
+            self._dev.rescale(grads)
+        else:
+            self._be().unscale_and_check(grads, self._scale_value)
 
     def _require_scaled(self, what: str) -> None:
         """Raises if unscaling now would shrink gradients that were never scaled."""
@@ -564,8 +583,10 @@ class GradScaler:
             cotangents = self._dev.scaled_cotangents(ys, dys)
         else:
             cotangents = self._be().scaled_cotangents(ys, dys, self._scale_value)
+        attached = [p for p in gm.attached_tensors() if p is not None]
+        self._rescale_held(attached)
         # This backward writes a new generation of gm's gradients.
-        self._ledger.forget([p for p in gm.attached_tensors() if p is not None])
+        self._ledger.forget(attached)
         self._ledger.new_backward()
         self._handed_blind = True
         self._forensics.saw_loss(ys)
@@ -1011,6 +1032,17 @@ class GradScaler:
             f" backoff_factor={self._backoff_factor},"
             f" growth_interval={self._growth_interval}, enabled={self._enabled})"
         )
+
+
+def _mixed_error(mixed: int, total: int) -> RuntimeError:
+    return RuntimeError(
+        f"{mixed} of the {total} gradients were unscaled, then a backward pass added"
+        f" scaled gradients to them before update(): they now mix unscaled and scaled"
+        f" values, and no unscale can fix that. When accumulating micro-batches, unscale"
+        f" once, after the last backward, or accumulate with scaler.backward(gm, loss),"
+        f" which rescales what it already unscaled (if you zeroed the gradients in place"
+        f" between iterations without calling update(), set them to None instead)."
+    )
 
 
 def _no_version(grad: Any) -> None:

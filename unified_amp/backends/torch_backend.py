@@ -255,6 +255,10 @@ class _DeviceScale:
     def check(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         return _check_and_unscale(grads, 1.0, self.device)
 
+    def rescale(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        # multiplies by the scale: unscaled gradients back to the scale (no host read)
+        return _check_and_unscale(grads, self.scale_t, self.device)
+
     def step(self, optimizer: Any, unscale: bool, flags: Sequence[torch.Tensor],
              args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         # The attributes torch's fused optimizers read, set as torch.amp sets them: a
