@@ -707,6 +707,33 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
 
+    # torch.amp keeps the values its lazily made _scale/_growth_tracker tensors start
+    # from; load_state_dict() and unpickling set them. There is no lazy start here, so
+    # they read (and write) the scale and tracker the next step uses -- the same values
+    # wherever torch.amp's have not yet been overtaken by its tensors.
+    @property
+    def _init_scale(self) -> float:
+        self._sync_from_device()
+        return self._scale_value
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._set_scale(self._valid_scale(value, "_init_scale"))
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._get_growth_tracker()
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"GradScaler _init_growth_tracker must be an int >= 0;"
+                             f" got {value!r}.")
+        self._sync_from_device()
+        self._tracker = value
+        if self._dev is not None:
+            self._dev.load(self._scale_value, value)
+
     def _get_growth_tracker(self) -> int:
         self._sync_from_device()
         return self._tracker if self._enabled else 0
@@ -753,12 +780,23 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
         """torch.amp's helper, for code that calls it directly: unscales the optimizer's
         gradients by ``inv_scale`` and returns a found-inf flag per device. The scaler's
         own methods do not go through it, so overriding it changes nothing."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"]
-                 if p.grad is not None]
-        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
-            raise ValueError("Attempting to unscale FP16 gradients.")
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if not allow_fp16 and g.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
+                    # As torch.amp: duplicate indices summed first, since their float16
+                    # sum may overflow where each value alone does not.
+                    g = p.grad = g.coalesce()
+                grads.append(g)
         found = _check_and_unscale_per_device(grads, inv_scale)
-        return {device: flag + found_inf.to(device) for device, flag in found.items()}
+        # torch.amp's kernel sets the flag it is given (a copy per device) to 1 on a find
+        return {device: torch.maximum(flag, found_inf.to(device))
+                for device, flag in found.items()}
 
 
 class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):
