@@ -32,13 +32,15 @@ import enum
 import functools
 import inspect
 import math
+import operator
 import struct
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Sequence, overload
 
 from . import distributed
-from ._ledger import MIXED, Check, GradLedger
+from ._ledger import MIXED, Check, GradLedger, _no_version
 from .forensics import Forensics, OverflowReport
 from ._registry import get_backend
 from ._targets import _short, is_optimizer, params_of
@@ -281,6 +283,9 @@ class GradScaler:
         self._as_of_step = 0  # the step the telemetry describes (lags only in device mode)
         self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
         self._ledger = GradLedger()
+        # optimizer -> (the shape of its param_groups, its parameters), reused while
+        # the groups stay the same lists: rebuilding it is a pass over every parameter
+        self._param_lists: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._updated_by_backward = False  # the last update() was backward()'s own
         self._forensics = Forensics(self)  # overflow reports (forensics.py)
         # optimizer id -> the checks behind its last step after backward()'s update()
@@ -331,46 +336,69 @@ class GradScaler:
         # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
         return 1.0 / self._scale_value if self._scale_value else math.inf
 
+    def _params_of_optimizer(self, optimizer: Any) -> list[Any]:
+        groups = optimizer.param_groups
+        shape = [(id(g["params"]), len(g["params"])) for g in groups]
+        try:
+            cached = self._param_lists.get(optimizer)
+        except TypeError:  # not weak-referenceable: no cache
+            return params_of(optimizer, self._be(), "GradScaler.step()")
+        if cached is not None and cached[0] == shape:
+            return cached[1]
+        params = params_of(optimizer, self._be(), "GradScaler.step()")
+        self._param_lists[optimizer] = (shape, params)
+        return params
+
     def _read(self, flag: Any) -> bool:
         return bool(self._be().flag_is_set(flag))
 
-    def _split(self, params: list[Any]) -> tuple[list[Any], list[Check], list[Any]]:
-        """``params`` with a gradient that still needs unscaling, the checks that
-        already covered others (from the ledger), and the params with neither."""
-        pending, done, idle, mixed = [], {}, [], 0
-        version = self._version
-        for p in params:
-            check = self._ledger.lookup(p, version)
+    def _split(self, params: list[Any]
+               ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+        """``params`` with a gradient that still needs unscaling and those gradients,
+        the checks that already covered others (from the ledger), and the params with
+        neither."""
+        grads = [p.grad for p in params]
+        if self._ledger.empty():  # the usual step: one pass, no lookups
+            if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
+                return params, grads, [], []
+            pending = [p for p, g in zip(params, grads) if g is not None]
+            idle = [p for p, g in zip(params, grads) if g is None]
+            return pending, [g for g in grads if g is not None], [], idle
+        pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
+        for p, g, check in zip(params, grads,
+                               self._ledger.answers(params, grads, self._version)):
             if check is MIXED:
                 mixed += 1
             elif check is not None:
                 done[id(check)] = check
-            elif p.grad is not None:
+            elif g is not None:
                 pending.append(p)
+                pending_grads.append(g)
             else:
                 idle.append(p)
         if mixed:
             raise _mixed_error(mixed, len(params))
-        return pending, list(done.values()), idle
+        return pending, pending_grads, list(done.values()), idle
 
     def _rescale_held(self, params: list[Any]) -> None:
         """Brings gradients this scaler unscaled, and that still hold those values,
         back to the current scale, in one fused multiply: the backward about to run
         adds scaled gradients to them, and one unscale afterwards then gives the true
         sum (automatic mode's accumulation; docs/DROP_IN.md)."""
+        if self._ledger.empty():
+            return
+        grads = [p.grad for p in params]
         held, mixed = [], 0
-        version = self._version
-        for p in params:
-            check = self._ledger.lookup(p, version)
+        for g, check in zip(grads, self._ledger.answers(params, grads, self._version)):
             if check is MIXED:
                 mixed += 1
-            elif check is not None and p.grad is not None:
-                held.append(p)  # (a gradient dropped on overflow holds nothing)
+            elif check is not None and g is not None:
+                held.append(g)  # (a gradient dropped on overflow holds nothing)
         if mixed:
             raise _mixed_error(mixed, len(params))
         if not held:
             return
-        grads = self._be().grads(held)
+        grads = held
         # The fused check-and-multiply kernel, given the scale where an unscale gives
         # its reciprocal; the flag is not read: a gradient that is inf/NaN (or becomes
         # so) stays so, and the unscale after the backward finds it.
@@ -418,7 +446,8 @@ class GradScaler:
             self._require_scaled(what)  # raises
         return agreement, False
 
-    def _check(self, params: list[Any], *, idle: Sequence[Any] = (), agreement: Any = False,
+    def _check(self, params: list[Any], *, grads: list[Any] | None = None,
+               idle: Sequence[Any] = (), agreement: Any = False,
                unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
         """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
         them too unless a fused optimizer will. ``read`` reads the verdict at once (the
@@ -431,9 +460,10 @@ class GradScaler:
         backend = self._be()
         if agreement is False:
             agreement = distributed.plan(backend, params, list(idle), self._process_group)
-        grads = backend.grads(params)
-        if agreement is not None:
-            grads += agreement.standins
+        if grads is None:
+            grads = backend.grads(params)
+        if agreement is not None and agreement.standins:
+            grads = grads + agreement.standins
         if not allow_fp16:
             for dtype in {g.dtype for g in grads}:
                 if backend.dtype_name(dtype) == "float16":
@@ -451,7 +481,7 @@ class GradScaler:
         if agreement is not None:
             check = agreement.check(flag, params or list(idle))
             # Every rank now covers the same parameters, gradient or not.
-            self._ledger.record(list(idle), check, self._version)
+            self._ledger.record(list(idle), [None] * len(idle), check, self._version)
         else:
             check = Check(None, False) if flag is None else Check(flag, None)
         if check.found is None:
@@ -478,7 +508,7 @@ class GradScaler:
                     " scaler.step(optimizer) (step() unscales by itself when you don't)."
                 )
         params = params_of(target, self._be(), f"GradScaler.{what}")
-        pending, done, idle = self._split(params)
+        pending, grads, done, idle = self._split(params)
         if done:
             raise RuntimeError(
                 f"{what} has already been called on these gradients: no backward pass"
@@ -497,11 +527,14 @@ class GradScaler:
             self._steps_on_device(target)  # a fused optimizer moves the scale to the device
         # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
         # in step(), as torch.amp does.
-        check = self._check(pending, idle=idle, agreement=agreement, unscale=unscale,
-                            read=drop)
+        check = self._check(pending, grads=grads, idle=idle, agreement=agreement,
+                            unscale=unscale, read=drop)
         if drop and check.found:
             self._be().drop_grads(pending)
-        self._ledger.record(pending, check, self._version)
+            grads = [None] * len(pending)
+        # torch.amp's unscale_ is followed by step() and update() within the iteration;
+        # megengine.amp's unscale may be followed by the next forward instead.
+        self._ledger.record(pending, grads, check, self._version, weak=drop)
         if state is not None:
             state.stage = _Stage.UNSCALED
             state.checks.append(check)
@@ -596,6 +629,7 @@ class GradScaler:
             if update_scale:
                 self._update(None)  # not the user's: the ledger's iteration goes on
                 self._updated_by_backward = True
+            self._ledger.weaken()  # the user's step, zero_grad and next forward follow
 
     def unscale(self, target: Any) -> "GradScaler":
         """Divides the gradients of ``target`` by the scale, in place, and checks them
@@ -671,8 +705,8 @@ class GradScaler:
             state.stage = _Stage.STEPPED
             return result
         on_device = self._steps_on_device(optimizer)
-        params = params_of(optimizer, self._be(), "GradScaler.step()")
-        pending, done, idle = self._split(params)
+        params = self._params_of_optimizer(optimizer)
+        pending, grads, done, idle = self._split(params)
         if state.stage is _Stage.READY and not pending and done and not any(
                 c is k for c in done for k in self._checks):
             # Every gradient was decided by checks that an update() already consumed:
@@ -693,11 +727,12 @@ class GradScaler:
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
             fused_unscale = on_device and not done and unscale
-            check = self._check(pending, idle=idle, agreement=agreement or False,
+            check = self._check(pending, grads=grads, idle=idle,
+                                agreement=agreement or False,
                                 unscale=unscale and not fused_unscale, read=False,
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
-                self._ledger.record(pending, check, self._version)
+                self._ledger.record(pending, grads, check, self._version, weak=False)
             checks.append(check)
         if not checks and not on_device:
             raise RuntimeError(
@@ -781,7 +816,6 @@ class GradScaler:
             if checked:
                 self._count_step(found)
         self._updated_by_backward = False
-        self._ledger.prune()
         self._new_iteration()
 
     def _nothing_checked(self) -> RuntimeError:
@@ -1015,7 +1049,8 @@ class GradScaler:
         state = self.__dict__.copy()
         state["_backend"] = None  # re-resolved on first use after unpickling
         state["_dev"] = None  # device tensors are remade at the next fused step
-        state["_ledger"] = GradLedger()  # it refers to live tensors, weakly
+        state["_ledger"] = GradLedger()  # it refers to live tensors
+        state["_param_lists"] = None  # (weak references do not pickle)
         state["_forensics"] = None  # it refers to models; watch() again after loading
         state["_process_group"] = None  # a live communicator; give it again after loading
         state["_tail"] = {}
@@ -1023,6 +1058,7 @@ class GradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._param_lists = weakref.WeakKeyDictionary()
         if self.__dict__.get("_forensics") is None:
             self._forensics = Forensics(self)
 
@@ -1034,6 +1070,9 @@ class GradScaler:
         )
 
 
+_is_none = functools.partial(operator.is_, None)
+
+
 def _mixed_error(mixed: int, total: int) -> RuntimeError:
     return RuntimeError(
         f"{mixed} of the {total} gradients were unscaled, then a backward pass added"
@@ -1043,10 +1082,6 @@ def _mixed_error(mixed: int, total: int) -> RuntimeError:
         f" which rescales what it already unscaled (if you zeroed the gradients in place"
         f" between iterations without calling update(), set them to None instead)."
     )
-
-
-def _no_version(grad: Any) -> None:
-    return None
 
 
 def _numel(t: Any) -> int:
