@@ -89,7 +89,8 @@ _MAX_BATCHES = 16
 class _Batch:
     """The records of one check: position ``j`` says that ``params[j]``'s gradient
     ``grads[j]`` (None: dropped by the scaler, or agreed without one) was unscaled by
-    ``check`` after backward pass ``epoch``, when its version was ``versions[j]``."""
+    ``check`` after backward pass ``epoch``; ``versions[j]`` is its version when the
+    next backward pass began (None until then, and where there are no versions)."""
 
     __slots__ = ("key", "params", "grads", "versions", "epoch", "check", "weak", "index")
 
@@ -140,16 +141,26 @@ class GradLedger:
         self._batches: list[_Batch] = []  # oldest first; a newer record shadows an older
         self.epoch = 0  # scaled backward passes seen (or announced) so far
 
-    def new_backward(self) -> None:
-        """A scaled backward pass ran, or is about to."""
+    def new_backward(self, version: Version = None) -> None:  # type: ignore[assignment]
+        """A scaled backward pass is about to run (or ran, unseen).
+
+        The recorded gradients' versions are read here, when the first backward after
+        the record is about to write, not at the record: the usual step's record ends
+        at update() with no backward in between, so it never reads them at all."""
         self.epoch += 1
+        if version is None or version is _no_version:
+            return
+        for b in self._batches:
+            if b.versions is None:
+                b.versions = [None if g is None or g is _ABSENT else version(g)
+                              for g in (b.grad(j) for j in range(len(b.grads)))]
 
     def new_iteration(self) -> None:
         """The user called update(): every record ends (see the module docstring)."""
         self._batches = []
 
     def record(self, params: list[Any], grads: list[Any], check: Check,
-               version: Version, weak: bool = True) -> None:
+               weak: bool = True) -> None:
         """Notes that ``grads`` (the current gradients of ``params``, None where the
         scaler dropped one or the rank had none) went through ``check``.
 
@@ -158,12 +169,9 @@ class GradLedger:
         making a weak reference per gradient on every step."""
         if not params:
             return
-        versions = None
-        if version is not _no_version:
-            versions = [None if g is None else version(g) for g in grads]
         if len(self._batches) >= _MAX_BATCHES:  # never reached by the usual loops
             self._forget_ids({id(p) for p in params})
-        batch = _Batch(params, grads, versions, self.epoch, check)
+        batch = _Batch(params, grads, None, self.epoch, check)
         if weak:
             batch.weaken()
         self._batches.append(batch)

@@ -481,7 +481,7 @@ class GradScaler:
         if agreement is not None:
             check = agreement.check(flag, params or list(idle))
             # Every rank now covers the same parameters, gradient or not.
-            self._ledger.record(list(idle), [None] * len(idle), check, self._version)
+            self._ledger.record(list(idle), [None] * len(idle), check)
         else:
             check = Check(None, False) if flag is None else Check(flag, None)
         if check.found is None:
@@ -534,7 +534,7 @@ class GradScaler:
             grads = [None] * len(pending)
         # torch.amp's unscale_ is followed by step() and update() within the iteration;
         # megengine.amp's unscale may be followed by the next forward instead.
-        self._ledger.record(pending, grads, check, self._version, weak=drop)
+        self._ledger.record(pending, grads, check, weak=drop)
         if state is not None:
             state.stage = _Stage.UNSCALED
             state.checks.append(check)
@@ -556,7 +556,7 @@ class GradScaler:
                     self._handed_watched = True
                 else:
                     self._handed_blind = True
-                    self._ledger.new_backward()  # a backward may follow unseen
+                    self._ledger.new_backward(self._version)  # a backward may follow unseen
                 return out
             if isinstance(val, (list, tuple)):
                 return type(val)(apply(v, f"{where}[{i}]") for i, v in enumerate(val))
@@ -573,7 +573,7 @@ class GradScaler:
     def _on_scaled_backward(self) -> None:
         # Called by the adapter when a backward pass runs through a scale() output.
         self._saw_backward = True
-        self._ledger.new_backward()
+        self._ledger.new_backward(self._version)
 
     def backward(self, gm: Any, y: Any = None, dy: Any = None, *,
                  unscale_grad: bool = True, update_scale: bool = True) -> None:
@@ -620,7 +620,7 @@ class GradScaler:
         self._rescale_held(attached)
         # This backward writes a new generation of gm's gradients.
         self._ledger.forget(attached)
-        self._ledger.new_backward()
+        self._ledger.new_backward(self._version)
         self._handed_blind = True
         self._forensics.saw_loss(ys)
         gm.backward(ys, cotangents)
@@ -732,7 +732,7 @@ class GradScaler:
                                 unscale=unscale and not fused_unscale, read=False,
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
-                self._ledger.record(pending, grads, check, self._version, weak=False)
+                self._ledger.record(pending, grads, check, weak=False)
             checks.append(check)
         if not checks and not on_device:
             raise RuntimeError(
