@@ -77,14 +77,22 @@ def test_wheel_installs_beside_the_framework_already_here_and_runs_the_readme(tm
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         (src / name).write_bytes((ROOT / name).read_bytes())
-    subprocess.run(["cp", "-r", str(ROOT / "unified_amp"), str(src)], check=True)
+    for name in ("unified_amp", "backends"):  # backends/ installs as unified_amp.backends
+        subprocess.run(["cp", "-r", str(ROOT / name), str(src)], check=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                     "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(src)],
                    check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("unified_amp-*.whl")
-    top_level = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {n.split("/")[0] for n in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"unified_amp"}
-    assert "unified_amp/py.typed" in zipfile.ZipFile(wheel).namelist()
+    assert "unified_amp/py.typed" in names
+    # Both adapters, every module of each, under unified_amp.backends.
+    for adapter in ("torch_backend", "megengine_backend"):
+        shipped = {n.rsplit("/", 1)[1] for n in names
+                   if n.startswith(f"unified_amp/backends/{adapter}/")}
+        on_disk = {p.name for p in (ROOT / "backends" / adapter).glob("*.py")}
+        assert shipped == on_disk and "__init__.py" in shipped, adapter
 
     # A fresh venv that sees this interpreter's packages (the framework, numpy), not
     # this checkout; the wheel goes in with its dependencies but no index: pip must find
@@ -137,3 +145,62 @@ def test_wheel_installs_beside_the_framework_already_here_and_runs_the_readme(tm
                           capture_output=True, text=True)
     assert bare.returncode != 0
     assert "No module named 'backends'" in bare.stderr
+
+
+# -- the top-level backends/ directory ---------------------------------------------------
+def _plain_checkout_run(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Runs ``code`` in this interpreter as a plain checkout would: the repository root
+    on sys.path and no install's finder (the editable install's import hook removed)."""
+    prelude = textwrap.dedent(f"""
+        import sys
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+        sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h).lower()]
+        sys.path.insert(0, {str(ROOT)!r})
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["UNIFIED_AMP_BACKEND"] = amp.get_backend().name
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_backends_refuses_instead_of_loading_a_second_copy_of_an_adapter():
+    """From the repository root `backends` is importable by that name; importing it so
+    would load the adapters again as other modules (a second set of torch's autocast
+    kernels, of MegEngine's patched functions). It refuses, naming the right import."""
+    adapter = f"{amp.get_backend().name}_backend"
+    run = _plain_checkout_run(f"""
+        import unified_amp as amp
+        amp.get_backend()
+        try:
+            import backends.{adapter}
+        except ImportError as exc:
+            print("refused:", exc)
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "backends"))
+        print(sys.modules["unified_amp.backends.{adapter}"].__file__)
+    """, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    refused, loaded, adapter_file = run.stdout.strip().splitlines()[-3:]
+    assert refused.startswith("refused:") and "'unified_amp.backends'" in refused
+    assert loaded == "[]"
+    assert Path(adapter_file) == ROOT / "backends" / adapter / "__init__.py"
+
+
+def test_a_plain_checkout_on_sys_path_imports_the_adapters_as_an_install_does(tmp_path):
+    """No install, so no package-dir mapping: the registry binds backends/ as
+    unified_amp.backends on first use, and the adapter modules import by their names."""
+    adapter = f"{amp.get_backend().name}_backend"
+    run = _plain_checkout_run(f"""
+        import unified_amp as amp
+        print("unified_amp.backends" in sys.modules)
+        backend = amp.get_backend()
+        import unified_amp.backends.{adapter}.scaling as scaling
+        print(type(backend).__module__, scaling.__file__)
+        print(amp.GradScaler(init_scale=8.0).get_scale())
+    """, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    bound_early, where, scale = run.stdout.strip().splitlines()[-3:]
+    assert bound_early == "False"  # nothing is bound before the first adapter lookup
+    module, path = where.split()
+    assert module == f"unified_amp.backends.{adapter}"
+    assert Path(path) == ROOT / "backends" / adapter / "scaling.py"
+    assert scale == "8.0"  # the adapter's scaler class made and ran

@@ -95,7 +95,9 @@ class Backend(Protocol):
 
     def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
         """Fused kernel: multiplies every gradient by ``inv_scale`` in place and returns a
-        device-side flag that is set if any gradient holds an inf or NaN. No host sync."""
+        device-side flag that is set if any gradient holds an inf or NaN. No host sync.
+        (The scaler also passes the scale itself, to bring gradients it unscaled back
+        to the scale before an automatic-mode backward accumulates into them.)"""
 
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
@@ -155,17 +157,17 @@ class Backend(Protocol):
 
     # -- overflow forensics (forensics.py): never on a clean step ----------------------
     # (and ``is_module`` above)
-    def nonfinite_counts(self, tensors: Sequence[Any]) -> list[tuple[int, int]]:
-        """(inf elements, NaN elements) of each tensor, read back in one host sync.
-        Called only after a fused check found an inf/NaN."""
-
     def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:
         """A device-side flag: whether ``tensor`` is all finite (``per_row``: one flag
         per index of its first dimension). No host sync; used by forward tracing."""
 
-    def read_finite_flags(self, flags: Sequence[Any]) -> list[list[bool]]:
-        """Reads flags from ``finite_flag`` in one host sync: for each, a list of bools
-        (one element for a whole-tensor flag)."""
+    def read_overflow(self, grads: Sequence[Any], loss: Any, flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+        """Everything an overflow report needs from the device, in one host sync:
+        (inf elements, NaN elements) of each gradient; the value of ``loss`` (a
+        one-element tensor, or None for None); and each flag from ``finite_flag`` as a
+        list of bools (one element for a whole-tensor flag). Called only after a fused
+        check found an inf/NaN, or when a trace's flags are asked for."""
 
     def named_modules(self, model: Any) -> list[tuple[str, Any]]:
         """(dotted name, module) for ``model`` ("") and every submodule, each once."""
@@ -189,7 +191,8 @@ class Backend(Protocol):
     # ``steps_on_device(optimizer) -> bool`` and
     #   ``device_scale(optimizer, scale, growth_tracker, skipped_steps)``: for optimizers
     #   that skip a step on the device by themselves; the latter returns an object that
-    #   keeps the scale on the device (see backends/torch_backend.py, _DeviceScale).
+    #   keeps the scale on the device (see backends/torch_backend/device_scale.py;
+    #   its ``rescale(grads)`` multiplies gradients by the device scale, in place).
     #   GradScaler switches to it the first time such an optimizer steps, so that its
     #   steps need no host sync. MegEngine has no such optimizers.
 

@@ -4,6 +4,11 @@ Order of precedence: ``set_backend()`` > ``UNIFIED_AMP_BACKEND`` > the first ins
 of torch, megengine. Adapters are found through the ``unified_amp.backends`` entry-point
 group (so a third party can add one without touching the core), with the two built-in
 ones also listed here so a source checkout works without being installed.
+
+The built-in adapters live in the repository's top-level ``backends/``, which an install
+(wheel or editable) maps to ``unified_amp.backends``. A checkout that is only on
+``sys.path`` has no such mapping: the first adapter lookup binds ``backends/`` under
+that name itself (:func:`_bind_checkout_backends`), so the same names import either way.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import importlib.util
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 from .errors import BackendUnavailableError, UnknownBackendError
@@ -146,11 +152,42 @@ def _resolve_name() -> str:
     )
 
 
+_ADAPTERS = "unified_amp.backends"
+
+
+def _bind_checkout_backends() -> None:
+    """In a plain checkout (no install, so no package-dir mapping), imports the
+    repository's ``backends/`` as ``unified_amp.backends``; otherwise does nothing."""
+    if _ADAPTERS in sys.modules:
+        return
+    try:
+        if importlib.util.find_spec(_ADAPTERS) is not None:
+            return  # installed: the mapping finds it
+    except ModuleNotFoundError:
+        pass
+    package = Path(__file__).resolve().parent.parent / "backends"
+    init = package / "__init__.py"
+    if not init.is_file():
+        return  # nothing to bind: the import below names what is missing
+    spec = importlib.util.spec_from_file_location(
+        _ADAPTERS, init, submodule_search_locations=[str(package)])
+    assert spec is not None and spec.loader is not None  # a file location always has both
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_ADAPTERS] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[_ADAPTERS]
+        raise
+
+
 def _load(name: str) -> Any:
     target = _known()[name]
     if callable(target):
         return target()
     module_name, _, attr = target.partition(":")
+    if module_name.startswith(_ADAPTERS + "."):
+        _bind_checkout_backends()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -4,17 +4,20 @@ Two parts, both written once here over the adapter's primitives:
 
 - **Gradient reports.** Every check a GradScaler makes carries a hook. When the check's
   verdict is read on the host and says "overflow", the hook counts the inf and NaN
-  elements of each gradient it covered (``Backend.nonfinite_counts``, one host read)
-  and records an :class:`OverflowReport`: which parameters (by name, for models given
-  to ``GradScaler.watch()`` or traced), inf or NaN, the loss and the scale. Nothing
-  runs on a clean step: the hook is a Python object that is dropped unread.
+  elements of each gradient it covered and records an :class:`OverflowReport`: which
+  parameters (by name, for models given to ``GradScaler.watch()`` or traced), inf or
+  NaN, the loss and the scale. The counts, the loss and any trace flags come back in
+  one host read (``Backend.read_overflow``), so an overflow step syncs twice: its
+  verdict, then its report. Nothing runs on a clean step: the hook is a Python
+  object that is dropped unread.
   A run of skipped steps that goes on (``warn_after`` in a row, or the scale below
   ``warn_below``) raises one :class:`OverflowWarning` per run.
 - **Forward tracing** (opt-in, :func:`trace_forward`). A forward hook on every
   submodule leaves a device-side "all finite" flag for each output
   (``Backend.finite_flag``: no host read). Only when a report is made are the flags
-  read, once, to name the first module in execution order whose output was
-  non-finite, and the dtype it ran in; the model's own input is checked per sample.
+  read, in the report's one read, to name the first module in execution order whose
+  output was non-finite, and the dtype it ran in; the model's own input is checked
+  per sample.
   Outside a ``trace_forward`` block no hook is installed.
 
 Reports read the same on both backends: parameter names are the frameworks' dotted
@@ -331,7 +334,9 @@ class ForwardTrace:
     def first_nonfinite(self) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
         """Reads this trace's flags (one host read): the first module whose output was
         non-finite since the last clear, and the input samples that were."""
-        return _first_nonfinite([self])
+        records = [r for r in _records if r.trace is self]
+        _, _, finite = self._backend.read_overflow([], None, [r.flag for r in records])
+        return _first_nonfinite(records, finite)
 
     def clear(self) -> None:
         """Forgets the flags recorded so far (by every trace)."""
@@ -361,12 +366,10 @@ def trace_forward(model: Any) -> ForwardTrace:
     return ForwardTrace(model)
 
 
-def _first_nonfinite(traces: list[ForwardTrace] | None = None
+def _first_nonfinite(records: list[_Record], finite: list[list[bool]]
                      ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
-    records = [r for r in _records if traces is None or r.trace in traces]
-    if not records:
-        return None, ()
-    finite = records[0].trace._backend.read_finite_flags([r.flag for r in records])
+    """The first non-finite module output and the bad input samples, from the flags
+    of ``records`` as read back (``finite``)."""
     first: NonFiniteOutput | None = None
     samples: tuple[int, ...] = ()
     for record, ok in zip(records, finite):
@@ -477,12 +480,6 @@ class Forensics:
                 names.setdefault(id(p), name)
         return names
 
-    def _loss_value(self) -> float | None:
-        loss = self._loss
-        if loss is None or math.prod(int(d) for d in loss.shape) != 1:
-            return None
-        return float(loss.item())
-
     def _report(self, params: list[Any]) -> None:
         # A diagnostic must not end a training run: a failure here becomes a warning.
         try:
@@ -498,7 +495,14 @@ class Forensics:
             return
         backend = scaler._be()
         with_grad = [p for p in params if p.grad is not None]
-        counts = backend.nonfinite_counts([p.grad for p in with_grad])
+        loss = self._loss
+        if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
+            loss = None
+        traced = bool(_active or _records)
+        records = list(_records) if traced else []
+        # The one host read of the report (the verdict before it was the step's own).
+        counts, loss_value, finite = backend.read_overflow(
+            [p.grad for p in with_grad], loss, [r.flag for r in records])
         names = self._names(backend)
         bad = []
         for i, (p, (n_inf, n_nan)) in enumerate(zip(with_grad, counts)):
@@ -507,10 +511,9 @@ class Forensics:
                 bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
                                        n_inf, n_nan))
         bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
-        traced = bool(_active or _records)
-        first, samples = _first_nonfinite() if traced else (None, ())
+        first, samples = _first_nonfinite(records, finite)
         report = OverflowReport(
-            step=scaler._steps + 1, scale=scaler.get_scale(), loss=self._loss_value(),
+            step=scaler._steps + 1, scale=scaler.get_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
             first_nonfinite=first, bad_samples=samples)
         self.last = report

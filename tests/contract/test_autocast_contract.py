@@ -102,3 +102,28 @@ def test_unsupported_precision_fails_on_entry_and_the_process_exits_cleanly(kit)
     lines = proc.stdout.split("\n")
     first = "REFUSED True" if kit.name == "megengine" else "RAN bfloat16"
     assert lines[0] == first and lines[1] == "AFTER float16 True", proc.stdout
+
+
+@pytest.mark.parametrize("call", ["device='cuda'", "torch-style 'cuda'"])
+def test_cuda_without_a_gpu_is_refused_on_entry(kit, call):
+    """Where the framework sees no GPU (MegEngine's CUDA build on a CPU-only machine says
+    so in its banner and runs on CPU), asking for CUDA raises the documented error when
+    the block is entered, names the fix, and leaves autocast off and CPU work intact. On
+    a GPU machine the same block simply runs."""
+    block = amp.autocast(device="cuda", dtype="float16") if call == "device='cuda'" \
+        else amp.autocast("cuda", dtype="float16")
+    if kit.has_cuda():
+        with block:
+            assert matmul_dtype(kit, "cuda") == "float16"
+        return
+    with pytest.raises(amp.UnsupportedPrecisionError,
+                       match=r"autocast\(device='cuda'\).*sees no CUDA device.*"
+                             r"Use device='cpu' or device=None\.") as caught:
+        with block:
+            pytest.fail("the block ran without a GPU")
+    assert isinstance(caught.value, RuntimeError)
+    assert not amp.is_autocast_enabled()
+    with kit.on_device("cpu"):
+        assert matmul_dtype(kit, "cpu") == "float32"
+        with amp.autocast(dtype="float16", device="cpu"):
+            assert matmul_dtype(kit, "cpu") == "float16"

@@ -302,20 +302,17 @@ class FakeBackend:
         return flag["found"]
 
     # -- overflow forensics ----------------------------------------------------------
-    def nonfinite_counts(self, tensors):
-        self.forensic_reads += 1
-        return [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
-                for t in tensors]
-
     def finite_flag(self, tensor, per_row=False):
         self.flags_made += 1
         if per_row:  # a FakeTensor is one row per value
             return [math.isfinite(v) for v in tensor.values]
         return [all(math.isfinite(v) for v in tensor.values)]
 
-    def read_finite_flags(self, flags):
+    def read_overflow(self, grads, loss, flags):
         self.forensic_reads += 1
-        return [list(f) for f in flags]
+        counts = [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
+                  for t in grads]
+        return counts, None if loss is None else float(loss.item()), [list(f) for f in flags]
 
     def named_modules(self, model):
         return list(model.named_modules())

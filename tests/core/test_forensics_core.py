@@ -157,10 +157,10 @@ def test_an_overflow_step_adds_one_read_of_the_gradients(fake, net):
 def test_a_failing_report_warns_and_the_step_is_still_skipped(fake, net, monkeypatch):
     model, params, opt = net
 
-    def broken(tensors):
+    def broken(grads, loss, flags):
         raise RuntimeError("adapter bug")
 
-    monkeypatch.setattr(fake, "nonfinite_counts", broken)
+    monkeypatch.setattr(fake, "read_overflow", broken)
     scaler = amp.GradScaler().watch(model)
     with pytest.warns(RuntimeWarning, match="overflow report failed.*adapter bug"):
         step(scaler, params, opt, [[INF], [1.0]])
@@ -279,6 +279,8 @@ def test_tracing_names_the_first_nonfinite_module(fake, case, inputs, precision,
     assert (None if got is None else (got.module, got.dtype)) == first
     # Traced models name the gradients too, without watch().
     assert [g.name for g in report.gradients] == ["big.weight"]
+    # the verdict, then one read for the counts, the loss and the trace's flags together
+    assert (fake.syncs, fake.forensic_reads) == (1, 1)
 
 
 def test_the_line_says_what_to_do_about_a_float16_overflow(fake):

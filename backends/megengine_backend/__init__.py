@@ -1,0 +1,26 @@
+"""The MegEngine adapter: unified_amp's primitives on MegEngine's own kernels.
+
+One module per capability, the same module names as every adapter package
+(docs/DESIGN.md): ``basics`` (devices, dtypes), ``autocast``, ``grads``, ``scaling``,
+``opt_levels``, ``forensics``, ``distributed``; ``device_scale`` and ``scaler`` say why
+MegEngine has neither. ``MegEngineBackend`` is their sum.
+"""
+
+from __future__ import annotations
+
+from .autocast import Autocasting
+from .basics import Basics
+from .distributed import Collectives
+from .forensics import ForensicsProbes
+from .grads import Gradients
+from .opt_levels import OptLevelCasting
+from .scaling import LossScaling
+
+__all__ = ["MegEngineBackend"]
+
+
+class MegEngineBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCasting,
+                       ForensicsProbes, Collectives):
+    """unified_amp adapter for MegEngine 1.13 (CPU; CUDA where its CUDA build runs)."""
+
+    name = "megengine"

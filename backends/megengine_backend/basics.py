@@ -1,0 +1,43 @@
+"""Framework basics: MegEngine's dtypes and devices, as the core names them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import megengine
+from megengine.core.tensor.dtype import is_bfloat16
+
+LOW = (np.dtype("float16"),)
+
+
+def is_low(dtype: Any) -> bool:
+    return dtype in LOW or is_bfloat16(dtype)
+
+
+CPU_ONLY = not megengine.is_cuda_available()  # then "xpux", the default, is the CPU
+
+
+def on_cpu(t: Any) -> bool:
+    device = str(t.device)
+    return device.startswith("cpu") or (CPU_ONLY and device.startswith("xpu"))
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """'float16', 'bfloat16', 'float32', ... for a numpy or MegEngine dtype, else None."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return None
+    return "bfloat16" if is_bfloat16(dt) else dt.name
+
+
+class Basics:
+    """Devices and dtypes."""
+
+    def cuda_available(self) -> bool:
+        return bool(megengine.is_cuda_available())
+
+    def dtype_name(self, dtype: Any) -> str | None:
+        return dtype_name(dtype)

@@ -1,0 +1,52 @@
+"""Gradients: GradManager recording on MegEngine's own GradManager, gradient access
+and clipping."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import megengine
+from megengine.autodiff import GradManager as _NativeGradManager
+from megengine.optimizer import clip_grad_norm as _clip_grad_norm
+
+
+class _Tape:
+    """GradManager recording on MegEngine's own GradManager."""
+
+    def __init__(self) -> None:
+        self.gm = _NativeGradManager()
+
+    def attach(self, params: Sequence[Any], callbacks: Sequence[Any] = ()) -> None:
+        # Passed straight on, so that MegEngine's own callbacks (make_allreduce_cb, which
+        # asks for the GradManager running backward) work unchanged.
+        self.gm.attach(params, callbacks=list(callbacks))
+
+    def record(self) -> None:
+        self.gm.record()
+
+    def release(self) -> None:
+        self.gm.release()
+
+    def backward(self, ys: Sequence[Any], dys: Sequence[Any] | None) -> None:
+        self.gm.backward(list(ys), None if dys is None else list(dys))
+
+
+class Gradients:
+    """A tape per GradManager, the gradients of parameters, and MegEngine's own clip."""
+
+    def new_tape(self) -> _Tape:
+        return _Tape()
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, megengine.Tensor)
+
+    def grads(self, params: Any) -> list[Any]:
+        return [p.grad for p in params if p.grad is not None]
+
+    def drop_grads(self, params: Any) -> None:
+        for p in params:
+            p.grad = None
+
+    def clip_grad_norm(self, params: Sequence[Any], max_norm: float,
+                       norm_type: float) -> float:
+        return float(_clip_grad_norm(params, max_norm, ord=norm_type).item())

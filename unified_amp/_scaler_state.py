@@ -1,0 +1,427 @@
+"""GradScaler's state machine: stages, checks, the ledger, the device-resident mode.
+
+``ScalerState`` holds what a GradScaler knows and the steps every public method is
+made of: split a target's gradients into still-scaled / already-checked / idle (the
+ledger), refuse an unscale that would be wrong, run one fused check (agreed across
+ranks where needed), step unless a check found an inf/NaN, and end the iteration in
+``_update``. Where the scale lives (a Python float, or the adapter's device tensors
+once a fused optimizer stepped: ``_dev``) changes only where the arithmetic runs.
+The public methods that drive it are ``GradScaler``'s (scaler.py); telemetry,
+settings and checkpoints are ``ScalerSurface``'s (_scaler_surface.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+import operator
+import weakref
+from typing import Any, Sequence
+
+from . import distributed
+from ._ledger import MIXED, Check, GradLedger, _no_version
+from ._registry import get_backend
+from ._scale_rule import next_scale, valid_scale
+from ._targets import is_optimizer, params_of
+from .forensics import Forensics
+
+__all__: list[str] = []
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+class _OptState:
+    """One optimizer's progress through the current iteration (torch.amp's stages)."""
+
+    __slots__ = ("stage", "checks")
+
+    def __init__(self) -> None:
+        self.stage = _Stage.READY
+        self.checks: list[Check] = []  # the checks that covered its gradients
+
+
+class ScalerState:
+    """The state and the steps of GradScaler's state machine (see the module's doc)."""
+
+    # Settings and the scale (a float32 value; the adapter's ``_dev`` holds it instead
+    # once a fused optimizer stepped).
+    _enabled: bool
+    _device: str | None
+    _process_group: Any
+    _scale_value: float
+    _growth_factor: float
+    _backoff_factor: float
+    _growth_interval: int
+    _tracker: int
+    # Telemetry.
+    _steps: int
+    _skipped_steps: int
+    _last_step_skipped: bool
+    _as_of_step: int  # the step the telemetry describes (lags only in device mode)
+    # Across iterations.
+    _backend: Any
+    _dev: Any  # the adapter's device-resident scale, once a fused step ran
+    _ledger: GradLedger
+    _updated_by_backward: bool  # the last update() was backward()'s own
+    _forensics: Forensics  # overflow reports (forensics.py)
+    _tail: dict[int, list[Check]]  # optimizer id -> the checks behind its last step
+    #                                after backward()'s update()
+    # optimizer -> (the shape of its param_groups, its parameters), reused while the
+    # groups stay the same lists: rebuilding it is a pass over every parameter
+    _param_lists: "weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]]"
+
+    def _be(self) -> Any:
+        if self._backend is None:
+            self._backend = get_backend()
+        return self._backend
+
+    def _new_iteration(self) -> None:
+        # What happened since the last update(): per-optimizer stages keyed by id() as in
+        # torch.amp (the keys live for one iteration only), and every check, for update().
+        self._opt_states: dict[int, _OptState] = {}
+        self._checks: list[Check] = []
+        # How the scale was handed out since the last update: through outputs whose
+        # backward the adapter can watch, or in a way it cannot (scale_factor, dy=...).
+        self._handed_watched = False
+        self._handed_blind = False
+        self._saw_backward = False
+        self._forensics.end_iteration()
+
+    def _opt_state(self, optimizer: Any) -> _OptState:
+        state = self._opt_states.get(id(optimizer))
+        if state is None:
+            state = self._opt_states[id(optimizer)] = _OptState()
+        return state
+
+    @property
+    def _version(self) -> Any:
+        """The adapter's gradient version counter, or a stand-in that has none."""
+        return getattr(self._be(), "grad_version", _no_version)
+
+    def _steps_on_device(self, optimizer: Any) -> bool:
+        backend = self._be()
+        supported = getattr(backend, "steps_on_device", None)
+        if supported is None or not supported(optimizer):
+            return False
+        if self._dev is None:
+            self._dev = backend.device_scale(optimizer, self._scale_value, self._tracker,
+                                             self._skipped_steps)
+        return True
+
+    def _inv_scale(self) -> float:
+        # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
+        # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
+        return 1.0 / self._scale_value if self._scale_value else math.inf
+
+    def _params_of_optimizer(self, optimizer: Any) -> list[Any]:
+        groups = optimizer.param_groups
+        shape = [(id(g["params"]), len(g["params"])) for g in groups]
+        try:
+            cached = self._param_lists.get(optimizer)
+        except TypeError:  # not weak-referenceable: no cache
+            return params_of(optimizer, self._be(), "GradScaler.step()")
+        if cached is not None and cached[0] == shape:
+            return cached[1]
+        params = params_of(optimizer, self._be(), "GradScaler.step()")
+        self._param_lists[optimizer] = (shape, params)
+        return params
+
+    def _read(self, flag: Any) -> bool:
+        return bool(self._be().flag_is_set(flag))
+
+    def _split(self, params: list[Any]
+               ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+        """``params`` with a gradient that still needs unscaling and those gradients,
+        the checks that already covered others (from the ledger), and the params with
+        neither."""
+        grads = [p.grad for p in params]
+        if self._ledger.empty():  # the usual step: one pass, no lookups
+            if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
+                return params, grads, [], []
+            pending = [p for p, g in zip(params, grads) if g is not None]
+            idle = [p for p, g in zip(params, grads) if g is None]
+            return pending, [g for g in grads if g is not None], [], idle
+        pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
+        for p, g, check in zip(params, grads,
+                               self._ledger.answers(params, grads, self._version)):
+            if check is MIXED:
+                mixed += 1
+            elif check is not None:
+                done[id(check)] = check
+            elif g is not None:
+                pending.append(p)
+                pending_grads.append(g)
+            else:
+                idle.append(p)
+        if mixed:
+            raise _mixed_error(mixed, len(params))
+        return pending, pending_grads, list(done.values()), idle
+
+    def _rescale_held(self, params: list[Any]) -> None:
+        """Brings gradients this scaler unscaled, and that still hold those values,
+        back to the current scale, in one fused multiply: the backward about to run
+        adds scaled gradients to them, and one unscale afterwards then gives the true
+        sum (automatic mode's accumulation; docs/DROP_IN.md)."""
+        if self._ledger.empty():
+            return
+        grads = [p.grad for p in params]
+        held, mixed = [], 0
+        for g, check in zip(grads, self._ledger.answers(params, grads, self._version)):
+            if check is MIXED:
+                mixed += 1
+            elif check is not None and g is not None:
+                held.append(g)  # (a gradient dropped on overflow holds nothing)
+        if mixed:
+            raise _mixed_error(mixed, len(params))
+        if not held:
+            return
+        grads = held
+        # The fused check-and-multiply kernel, given the scale where an unscale gives
+        # its reciprocal; the flag is not read: a gradient that is inf/NaN (or becomes
+        # so) stays so, and the unscale after the backward finds it.
+        if self._dev is not None:
+            self._dev.rescale(grads)
+        else:
+            self._be().unscale_and_check(grads, self._scale_value)
+
+    def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str
+                        ) -> tuple[Any, bool]:
+        """Whether ``pending`` may be unscaled: returns ``(agreement, unscale)`` for
+        ``_check``, or raises if nothing was scaled since the last update.
+
+        One exception to the raise: a rank of a job whose checks are agreed across ranks
+        (a process_group, FSDP) that had no loss this step -- an empty micro-batch, an
+        expert that got no tokens -- may still hold gradients (zeroed in place). They are
+        not scaled, so they are checked as they are, not divided, and the rank joins the
+        other ranks' decision instead of leaving them waiting in the collective.
+        """
+        if self._handed_watched or self._handed_blind:
+            self._require_scaled(what)  # raises only if no backward used the scale
+            return False, True
+        agreement = distributed.plan(self._be(), pending, idle, self._process_group)
+        if agreement is None:
+            self._require_scaled(what)  # raises
+        return agreement, False
+
+    def _require_scaled(self, what: str) -> None:
+        """Raises if unscaling now would shrink gradients that were never scaled."""
+        fix = ("This may indicate your script did not use scaler.scale(loss or outputs)"
+               " earlier in the iteration.")
+        if not (self._handed_watched or self._handed_blind):
+            raise RuntimeError(
+                f"Attempted {what} but nothing was scaled since the last update().  {fix}"
+                f" Unscaling now would divide unscaled gradients by the scale"
+                f" ({self._scale_value:g}); call scaler.scale(loss).backward(),"
+                f" gm.backward(scaler.scale(loss)) or scaler.backward(gm, loss) first."
+            )
+        if self._handed_watched and not self._handed_blind and not self._saw_backward:
+            raise RuntimeError(
+                f"Attempted {what} but no backward pass has gone through a scaler.scale()"
+                f" output since the last update(): these gradients were not produced by a"
+                f" scaled loss, and unscaling would divide them by the scale"
+                f" ({self._scale_value:g}). Call .backward() on scaler.scale(loss), not on"
+                f" the loss itself."
+            )
+
+    def _check(self, params: list[Any], *, grads: list[Any] | None = None,
+               idle: Sequence[Any] = (), agreement: Any = False,
+               unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
+        """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
+        them too unless a fused optimizer will. ``read`` reads the verdict at once (the
+        sync); otherwise it is read when first needed.
+
+        In a multi-process job the verdict is agreed across ranks (distributed.py);
+        ``idle`` (the target's params without a gradient here) then take part too, and
+        ``agreement`` may pass the plan when the caller made it already. ``grads``:
+        the gradients of ``params``, where the caller has them already.
+        """
+        backend = self._be()
+        if agreement is False:
+            agreement = distributed.plan(backend, params, list(idle), self._process_group)
+        if grads is None:
+            grads = backend.grads(params)
+        if agreement is not None and agreement.standins:
+            grads = grads + agreement.standins
+        if not allow_fp16:
+            for dtype in {g.dtype for g in grads}:
+                if backend.dtype_name(dtype) == "float16":
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients. GradScaler needs float32"
+                        " parameters (and so float32 gradients): keep the model in float32"
+                        " and let autocast run the low-precision ops."
+                    )
+        flag = None
+        if grads:
+            if self._dev is not None:
+                flag = self._dev.unscale_and_check(grads) if unscale else self._dev.check(grads)
+            else:
+                flag = backend.unscale_and_check(grads, self._inv_scale() if unscale else 1.0)
+        if agreement is not None:
+            check = agreement.check(flag, params or list(idle))
+            # Every rank now covers the same parameters, gradient or not.
+            self._ledger.record(list(idle), [None] * len(idle), check)
+        else:
+            check = Check(None, False) if flag is None else Check(flag, None)
+        if check.found is None:
+            check.on_overflow = self._forensics.hook(params)
+        if read:
+            check.verdict(self._read)  # the one sync
+        self._checks.append(check)
+        return check
+
+    def _unscale(self, target: Any, what: str, *, drop: bool) -> None:
+        """unscale()/unscale_(): the shared part. ``drop``: megengine.amp's form."""
+        state = None
+        if is_optimizer(target):
+            state = self._opt_state(target)
+            if state.stage is _Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last"
+                    " update(). Unscaling twice would divide its gradients by the scale"
+                    " twice; call scaler.update() to finish the iteration first."
+                )
+            if state.stage is _Stage.STEPPED:
+                raise RuntimeError(
+                    "unscale_() is being called after step(). Unscale before"
+                    " scaler.step(optimizer) (step() unscales by itself when you don't)."
+                )
+        params = params_of(target, self._be(), f"GradScaler.{what}")
+        pending, grads, done, idle = self._split(params)
+        if done:
+            raise RuntimeError(
+                f"{what} has already been called on these gradients: no backward pass"
+                f" the scaler could see (through scaler.scale() or scaler.backward()) has"
+                f" written them since they were unscaled. Unscaling twice would divide"
+                f" them by the scale twice. Unscale each set of gradients once, after all"
+                f" of its backward passes (scaler.backward(gm, loss) already unscales"
+                f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
+                f" gradients that were not cleared also adds to unscaled ones."
+            )
+        agreement, unscale = False, True
+        if pending:
+            agreement, unscale = self._scaled_or_idle(pending, idle, what)
+            distributed.require_synced(self._be(), pending, f"GradScaler.{what}")
+        if state is not None:
+            self._steps_on_device(target)  # a fused optimizer moves the scale to the device
+        # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
+        # in step(), as torch.amp does.
+        check = self._check(pending, grads=grads, idle=idle, agreement=agreement,
+                            unscale=unscale, read=drop)
+        if drop and check.found:
+            self._be().drop_grads(pending)
+            grads = [None] * len(pending)
+        # torch.amp's unscale_ is followed by step() and update() within the iteration;
+        # megengine.amp's unscale may be followed by the next forward instead.
+        self._ledger.record(pending, grads, check, weak=drop)
+        if state is not None:
+            state.stage = _Stage.UNSCALED
+            state.checks.append(check)
+
+    def _on_scaled_backward(self) -> None:
+        # Called by the adapter when a backward pass runs through a scale() output.
+        self._saw_backward = True
+        self._ledger.new_backward(self._version)
+
+    def _step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
+                           fused_unscale: bool, args: tuple, kwargs: dict) -> Any:
+        if any(c.found is True for c in checks):
+            return None
+        if on_device:
+            return self._dev.step(optimizer, fused_unscale,
+                                  [c.ready() for c in checks if c.flag is not None],
+                                  args, kwargs)
+        if any(c.verdict(self._read) for c in checks):  # the one sync per step
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _tail_step(self, optimizer: Any, checks: list[Check], on_device: bool,
+                   args: tuple, kwargs: dict) -> Any:
+        previous = self._tail.get(id(optimizer))
+        if previous is not None and len(previous) == len(checks) and all(
+                any(c is k for k in previous) for c in checks):
+            raise RuntimeError(
+                "step() has already been called on these gradients: scaler.backward(gm,"
+                " loss) unscaled them and called update(), and scaler.step(optimizer)"
+                " then stepped them once. Run the next backward pass first."
+            )
+        self._tail[id(optimizer)] = checks
+        return self._step_unless_found(optimizer, checks, on_device, False, args, kwargs)
+
+    def _update(self, new_scale: Any) -> None:
+        if new_scale is not None:
+            new_scale = self._valid_scale(new_scale, "update(new_scale=...)")
+        elif not self._checks:
+            raise self._nothing_checked()
+        checked = bool(self._checks)
+        if self._dev is not None:
+            if checked:
+                self._steps += 1
+            found_host = any(c.found is True for c in self._checks)
+            flags = [c.ready() for c in self._checks if c.found is None]
+            for c in self._checks:
+                c.on_overflow = None  # never read on the host, so never reported
+            self._dev.update(found_host, flags, self._growth_factor,
+                             self._backoff_factor, self._growth_interval,
+                             steps=self._steps, count=checked, new_scale=new_scale)
+        else:
+            found = any([c.verdict(self._read) for c in self._checks])
+            if new_scale is not None:
+                self._scale_value = new_scale
+            else:
+                self._scale_value, self._tracker = next_scale(
+                    self._scale_value, self._tracker, found,
+                    self._growth_factor, self._backoff_factor, self._growth_interval,
+                )
+            if checked:
+                self._count_step(found)
+        self._updated_by_backward = False
+        self._new_iteration()
+
+    def _nothing_checked(self) -> RuntimeError:
+        hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"
+                " called update(); drop this update() call, or pass"
+                " backward(..., update_scale=False) to update yourself."
+                if self._updated_by_backward else
+                " Call scaler.step(optimizer), scaler.unscale_(optimizer) or"
+                " scaler.unscale(gm) first, or pass update(new_scale=...).")
+        return RuntimeError("No inf checks were recorded prior to update()." + hint)
+
+    def _count_step(self, skipped: bool) -> None:
+        self._steps += 1
+        self._skipped_steps += int(skipped)
+        self._last_step_skipped = skipped
+        self._as_of_step = self._steps
+        self._forensics.counted(skipped, self._scale_value, self._steps)
+
+    def _set_scale(self, value: float) -> None:
+        self._scale_value = value
+        if self._dev is not None:
+            self._dev.load(value, None)
+
+    def _sync_from_device(self) -> None:
+        """Reads the device-resident scale and tracker back (a sync, as torch.amp's
+        get_scale() is)."""
+        if self._dev is not None:
+            self._scale_value, self._tracker = self._dev.read()
+
+    def _valid_scale(self, value: Any, what: str) -> float:
+        return valid_scale(value, what, self._be)
+
+
+_is_none = functools.partial(operator.is_, None)
+
+
+def _mixed_error(mixed: int, total: int) -> RuntimeError:
+    return RuntimeError(
+        f"{mixed} of the {total} gradients were unscaled, then a backward pass added"
+        f" scaled gradients to them before update(): they now mix unscaled and scaled"
+        f" values, and no unscale can fix that. When accumulating micro-batches, unscale"
+        f" once, after the last backward, or accumulate with scaler.backward(gm, loss),"
+        f" which rescales what it already unscaled (if you zeroed the gradients in place"
+        f" between iterations without calling update(), set them to None instead)."
+    )
