@@ -219,8 +219,12 @@ class GradLedger:
                 break
             if key is None:
                 key = tuple(map(id, params))
-            if b.key == key:
-                pairs = [(i, i) for i in todo if b.param(i) is params[i]]
+            if b.key == key:  # the same parameter list: compare position by position
+                if b.weak:
+                    refs = b.params
+                    pairs = [(i, i) for i in todo if refs[i]() is params[i]]
+                else:
+                    pairs = [(i, i) for i in todo]
             else:
                 pairs = []
                 for i in todo:

@@ -274,8 +274,10 @@ class ScalerState:
         self._checks.append(check)
         return check
 
-    def _unscale(self, target: Any, what: str, *, drop: bool) -> None:
-        """unscale()/unscale_(): the shared part. ``drop``: megengine.amp's form."""
+    def _unscale(self, target: Any, what: str, *, drop: bool,
+                 params: list[Any] | None = None) -> None:
+        """unscale()/unscale_(): the shared part. ``drop``: megengine.amp's form;
+        ``params``: the target's parameters, where the caller has them already."""
         state = None
         if is_optimizer(target):
             state = self._opt_state(target)
@@ -290,7 +292,8 @@ class ScalerState:
                     "unscale_() is being called after step(). Unscale before"
                     " scaler.step(optimizer) (step() unscales by itself when you don't)."
                 )
-        params = params_of(target, self._be(), f"GradScaler.{what}")
+        if params is None:
+            params = params_of(target, self._be(), f"GradScaler.{what}")
         pending, grads, done, idle = self._split(params)
         if done:
             raise RuntimeError(

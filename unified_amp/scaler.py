@@ -49,7 +49,7 @@ from ._registry import get_backend
 from ._scale_rule import check_factors, f32, next_scale
 from ._scaler_state import _Stage
 from ._scaler_surface import ScalerSurface
-from ._targets import _short, is_optimizer
+from ._targets import _short, is_optimizer, params_of
 from .forensics import Forensics
 
 __all__ = ["GradScaler", "next_scale"]
@@ -245,7 +245,7 @@ class GradScaler(ScalerSurface):
             cotangents = self._dev.scaled_cotangents(ys, dys)
         else:
             cotangents = self._be().scaled_cotangents(ys, dys, self._scale_value)
-        attached = [p for p in gm.attached_tensors() if p is not None]
+        attached = params_of(gm, self._be(), "GradScaler.backward()")
         self._rescale_held(attached)
         # This backward writes a new generation of gm's gradients.
         self._ledger.forget(attached)
@@ -254,7 +254,7 @@ class GradScaler(ScalerSurface):
         self._forensics.saw_loss(ys)
         gm.backward(ys, cotangents)
         if unscale_grad:
-            self.unscale(gm)
+            self._unscale(gm, "unscale()", drop=True, params=attached)
             if update_scale:
                 self._update(None)  # not the user's: the ledger's iteration goes on
                 self._updated_by_backward = True
