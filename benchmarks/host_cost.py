@@ -175,10 +175,14 @@ def run(backend: str, tensors: tuple[int, ...], rounds: int, steps: int, warmup:
         for n in tensors:
             # Fewer rounds where one iteration is long; never fewer than 5.
             r = max(5, rounds if n <= 1000 else rounds // 2)
+            # More iterations per round where one is short, so that each round's block
+            # lasts long enough to average over the machine's noise.
+            k = max(steps, min(100, (1000 * steps) // (4 * n)))
             times = _interleave({"native": cfg["loop"](n, optimizer, make_native()),
                                  "unified": cfg["loop"](n, optimizer, make_unified())},
-                                r, steps, warmup)
+                                r, k, warmup)
             out[optimizer][str(n)] = {
+                "rounds": r, "iterations_per_round": k,
                 "native_s": spread(times["native"]), "unified_s": spread(times["unified"]),
                 "ratio": _ratios(times["unified"], times["native"]),
                 "per_round": times,
@@ -192,8 +196,9 @@ def run(backend: str, tensors: tuple[int, ...], rounds: int, steps: int, warmup:
     if backend == "torch" and mlp_rounds:
         times = _interleave({"native": _torch_mlp(make_native()),
                              "unified": _torch_mlp(make_unified())},
-                            mlp_rounds, steps * 2, warmup)
-        result["mlp_6x256"] = {"native_s": spread(times["native"]),
+                            mlp_rounds, 25, warmup)
+        result["mlp_6x256"] = {"rounds": mlp_rounds, "iterations_per_round": 25,
+                               "native_s": spread(times["native"]),
                                "unified_s": spread(times["unified"]),
                                "ratio": _ratios(times["unified"], times["native"]),
                                "per_round": times}
