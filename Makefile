@@ -1,6 +1,6 @@
 # unified_amp: one virtual environment per backend, made on first use and then reused.
 #   make test                  set up both environments, run the whole suite on both backends,
-#                              and mypy on unified_amp/
+#                              and mypy (unified_amp/, backends/, the fake backend)
 #   make test BACKENDS=torch   one backend only (torch needs no CPython 3.10 and no MegEngine)
 #   make test-oldest           the suite on the oldest supported torch (a ~2.5 GB CUDA build)
 #   make demo                  fp32 vs AMP on scikit-learn's digits, on $UNIFIED_AMP_BACKEND
@@ -8,7 +8,7 @@
 #                              (DEMO_ARGS="--plant overflow" plants an overflow and prints
 #                              why the step was skipped)
 #   make bench                 the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick)
-#   make typecheck             mypy on unified_amp/ (in .venv-torch)
+#   make typecheck             mypy on unified_amp/, backends/ and the fake backend (in .venv-torch)
 #   make clean                 remove the environments and what the targets wrote
 SHELL := /bin/bash
 
@@ -102,7 +102,7 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	done; \
 	typed="skipped (no torch environment in BACKENDS)"; \
 	if [ -x $(VENV_torch)/bin/python ] && [[ " $(TEST_BACKENDS) " == *" torch "* ]]; then \
-	  echo; echo "================ mypy on unified_amp/ ================"; \
+	  echo; echo "================ mypy: unified_amp/, backends/, the fake backend ================"; \
 	  $(VENV_torch)/bin/python -m mypy 2>&1 | tee $(LOGDIR)/mypy.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; typed="$$(tail -1 $(LOGDIR)/mypy.log)"; \
 	fi; \

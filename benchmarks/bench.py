@@ -274,7 +274,7 @@ def _state_bytes(kit: Any, w: Any) -> dict[str, int]:
     masters = [m for m in amp.master_params(w.optimizer) if id(m) not in ids]
     out = {"weights": kit.tensor_bytes(w.params),
            "master_weights": kit.tensor_bytes(masters),
-           "optimizer_state": kit.tensor_bytes(kit.optimizer_state(w.optimizer))}
+           "optimizer_state": kit.tensor_bytes(kit.optimizer_tensors(w.optimizer))}
     out["total"] = sum(out.values())
     return out
 

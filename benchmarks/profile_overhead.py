@@ -31,7 +31,12 @@ from .timing import interleaved, round_ratios, spread
 
 # Python source that counts as unified_amp's (the package and its adapters), and as
 # each framework's own AMP.
-_UNIFIED = (os.path.dirname(importlib.util.find_spec("unified_amp").origin) + os.sep,)
+# The adapters are unified_amp.backends: inside the package when installed from a wheel,
+# the checkout's top-level backends/ in an editable install.
+_UNIFIED = tuple(dict.fromkeys(
+    os.path.abspath(path) + os.sep
+    for name in ("unified_amp", "unified_amp.backends")
+    for path in importlib.util.find_spec(name).submodule_search_locations or ()))
 _NATIVE_AMP = {"torch": (f"torch{os.sep}amp{os.sep}",),
                "megengine": (f"megengine{os.sep}amp{os.sep}",
                              f"megengine{os.sep}autodiff{os.sep}")}

@@ -38,11 +38,11 @@ def interleaved(variants: dict[str, Callable[[], Any]], kit: Any, *, warmup: int
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             step = variants[name]
-            kit.sync()
+            kit.synchronize()
             t0 = time.perf_counter()
             for _ in range(steps):
                 value = kit.read(step())
-            kit.sync()
+            kit.synchronize()
             out[name]["per_round"].append((time.perf_counter() - t0) / steps)
             out[name]["losses"].append(value)
             progress.update(steps)

@@ -8,5 +8,6 @@ with one training step written once against unified_amp.
     python -m examples.apex_style --compare     # amp.initialize / scale_loss, O0-O3
 
 What the frameworks spell differently (models, losses, optimizers, tensors) lives in
-``examples.frameworks``; nothing else in this package imports a framework.
+``examples.frameworks`` (the construction kit the tests and benchmarks build on too);
+nothing else in this package imports a framework.
 """

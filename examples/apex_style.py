@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 import unified_amp as amp
 
-from . import frameworks
-from .gan import mode_centres, mode_report, sample_real
+from . import frameworks, gan
+from .gan import mode_centres, mode_report
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -135,10 +135,7 @@ def train_gan(*, opt_level: str = "O1", steps: int = 300, batch_size: int = 64,
     rng = np.random.default_rng(seed)
     centres = mode_centres(modes, radius)
     fw.seed(seed)
-    generator = fw.mlp([noise_dim, hidden, hidden, 2])
-    discriminator = fw.mlp([2, hidden, hidden, 1])
-    opt_g = fw.adam(generator.parameters(), lr=lr, betas=(0.5, 0.999))
-    opt_d = fw.adam(discriminator.parameters(), lr=lr, betas=(0.5, 0.999))
+    generator, discriminator, opt_g, opt_d = gan.models(fw, noise_dim, hidden, lr)
     [discriminator, generator], [opt_d, opt_g] = amp.initialize(
         [discriminator, generator], [opt_d, opt_g], opt_level=opt_level, num_losses=2,
         low_dtype=low_dtype)
@@ -157,9 +154,7 @@ def train_gan(*, opt_level: str = "O1", steps: int = 300, batch_size: int = 64,
         d_loss, g_loss = gan_step(
             generator=generator, discriminator=discriminator, gm_g=gm_g, gm_d=gm_d,
             opt_g=opt_g, opt_d=opt_d, bce=fw.bce_with_logits,
-            real=fw.tensor(sample_real(batch_size, centres, std, rng)),
-            z_d=fw.tensor(rng.normal(size=(batch_size, noise_dim))),
-            z_g=fw.tensor(rng.normal(size=(batch_size, noise_dim))))
+            **gan.batches(fw, batch_size, noise_dim, centres, std, rng))
         d_losses.append(d_loss)
         g_losses.append(g_loss)
         bar.set_postfix(d=f"{d_loss:.3f}", g=f"{g_loss:.3f}", refresh=False)

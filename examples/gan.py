@@ -38,6 +38,29 @@ def sample_real(n: int, centres: np.ndarray, std: float, rng: np.random.Generato
     return (centres[picks] + rng.normal(0.0, std, (n, 2))).astype(np.float32)
 
 
+def models(fw: Any, noise_dim: int, hidden: int, lr: float) -> tuple[Any, Any, Any, Any]:
+    """The generator, the discriminator (MLPs) and their Adam optimizers.
+
+    Returns:
+        (generator, discriminator, generator's optimizer, discriminator's optimizer).
+    """
+    generator = fw.mlp([noise_dim, hidden, hidden, 2])
+    discriminator = fw.mlp([2, hidden, hidden, 1])
+    # beta1 = 0.5: the usual GAN choice, less momentum against a moving target.
+    opt_g = fw.adam(generator.parameters(), lr=lr, betas=(0.5, 0.999))
+    opt_d = fw.adam(discriminator.parameters(), lr=lr, betas=(0.5, 0.999))
+    return generator, discriminator, opt_g, opt_d
+
+
+def batches(fw: Any, batch_size: int, noise_dim: int, centres: np.ndarray, std: float,
+            rng: np.random.Generator) -> dict[str, Any]:
+    """One iteration's tensors for ``gan_step``: ``real`` samples and the noise
+    ``z_d``, ``z_g`` of its two steps."""
+    return {"real": fw.tensor(sample_real(batch_size, centres, std, rng)),
+            "z_d": fw.tensor(rng.normal(size=(batch_size, noise_dim))),
+            "z_g": fw.tensor(rng.normal(size=(batch_size, noise_dim)))}
+
+
 def gan_step(*, generator: Any, discriminator: Any, gm_g: amp.GradManager,
              gm_d: amp.GradManager, opt_g: Any, opt_d: Any, scaler: amp.GradScaler,
              bce: Callable[[Any, float], Any], real: Any, z_d: Any, z_g: Any,
@@ -112,11 +135,7 @@ def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 10
     rng = np.random.default_rng(seed)
     centres = mode_centres(modes, radius)
     fw.seed(seed)
-    generator = fw.mlp([noise_dim, hidden, hidden, 2])
-    discriminator = fw.mlp([2, hidden, hidden, 1])
-    # beta1 = 0.5: the usual GAN choice, less momentum against a moving target.
-    opt_g = fw.adam(generator.parameters(), lr=lr, betas=(0.5, 0.999))
-    opt_d = fw.adam(discriminator.parameters(), lr=lr, betas=(0.5, 0.999))
+    generator, discriminator, opt_g, opt_d = models(fw, noise_dim, hidden, lr)
     gm_g = amp.GradManager(generator.parameters())
     gm_d = amp.GradManager(discriminator.parameters())
     # One scaler for both models: overflow reports name either's parameters.
@@ -136,10 +155,7 @@ def train(*, amp_enabled: bool = True, dtype: str | None = None, steps: int = 10
         d_loss, g_loss = gan_step(
             generator=generator, discriminator=discriminator, gm_g=gm_g, gm_d=gm_d,
             opt_g=opt_g, opt_d=opt_d, scaler=scaler, bce=fw.bce_with_logits,
-            real=fw.tensor(sample_real(batch_size, centres, std, rng)),
-            z_d=fw.tensor(rng.normal(size=(batch_size, noise_dim))),
-            z_g=fw.tensor(rng.normal(size=(batch_size, noise_dim))),
-            precision=precision)
+            precision=precision, **batches(fw, batch_size, noise_dim, centres, std, rng))
         d_losses.append(d_loss)
         g_losses.append(g_loss)
         bar.set_postfix(d=f"{d_loss:.3f}", g=f"{g_loss:.3f}", refresh=False)

@@ -24,7 +24,7 @@ Every place where the fake differs from a GPU machine is here, once, with the re
    real kernels on constant tensors, and on this build any real CUDA kernel fails.
 4. ``torch.cuda.Event`` is a stand-in whose ``query()`` answers what the test sets in
    ``FakeCuda.events_done``: the real one needs the CUDA runtime. unified_amp's
-   telemetry (``_DeviceScale``) records one per step and must never wait on it.
+   telemetry (``TorchDeviceScale``) records one per step and must never wait on it.
 5. No autograd: the block runs under ``torch.no_grad()``, and tests set ``.grad``
    themselves where a GPU run would call backward. Building an autograd graph on a CUDA
    leaf asks the C++ runtime for a CUDA device guard, which a CPU build lacks: the
@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import unified_amp as amp
 
-from .kits.torch_kit import _DT, Kit
+from .kits.torch_kit import Kit
 
 aten = torch.ops.aten
 
@@ -238,10 +238,11 @@ class FakeCudaKit(Kit):
     statistics (bypass 6). Only dtypes and devices of the results mean anything."""
 
     def __init__(self, fake: FakeCuda):
+        super().__init__("cpu")  # not "auto": torch.cuda.is_available() is faked here
         self.fake = fake
 
     def tensor(self, a, dev, dtype="float32"):
-        return torch.empty(np.shape(a), dtype=_DT[dtype], device=dev)
+        return torch.empty(np.shape(a), dtype=self.dtype_object(dtype), device=dev)
 
     def run_op(self, row, inp, dev, low, kind):
         if row != "batch norm":

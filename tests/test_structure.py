@@ -50,3 +50,148 @@ def test_a_scaler_pickled_before_the_split_loads_with_its_settings():
     module = type(scaler).__module__.encode()
     assert module in again and type(scaler).__name__.encode() in again
     assert module in base64.b64decode(_PICKLED_BEFORE_THE_SPLIT[backend])
+
+
+# -- the import graph ----------------------------------------------------------------------
+# Read from the source with ast (nothing is imported): every module of the core
+# (unified_amp/) and of the adapters (backends/, installed as unified_amp.backends), and
+# every import statement in them, at any depth (a function's lazy import counts too).
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ADAPTERS = "unified_amp.backends"
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for base, package in ((ROOT / "unified_amp", "unified_amp"), (ROOT / "backends", ADAPTERS)):
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for each import in ``path`` that reaches a
+    module of ours."""
+    is_package = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [alias.name for alias in node.names]
+            # `from package import module` imports the module
+            subs = [n for n in names if f"{target}.{n}" in modules]
+            out += [(f"{target}.{n}", []) for n in subs]
+            if len(subs) < len(names):
+                out.append((target, [n for n in names if n not in subs]))
+    return [(m, names) for m, names in out if m in modules]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m, _ in _imports(name, path, modules)} - {name}
+            for name, path in modules.items()}
+
+
+def _is_adapter(name: str) -> bool:
+    return name == ADAPTERS or name.startswith(ADAPTERS + ".")
+
+
+def test_the_core_imports_no_adapter():
+    """The core reaches an adapter only through the registry (by name, at run time)."""
+    arrows = sorted(f"{a} -> {b}" for a, targets in _graph().items() if not _is_adapter(a)
+                    for b in targets if _is_adapter(b))
+    assert arrows == []
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_adapters_import_no_private_name_of_the_core():
+    modules = _modules()
+    private = []
+    for name, path in modules.items():
+        if not _is_adapter(name):
+            continue
+        for module, names in _imports(name, path, modules):
+            if _is_adapter(module):
+                continue
+            if any(part.startswith("_") for part in module.split(".")):
+                private.append(f"{name}: {module}")
+            private += [f"{name}: {module}.{n}" for n in names if n.startswith("_")]
+    assert private == []
+
+
+def _core_scaler_private_members() -> set[str]:
+    """The underscore members the core's GradScaler classes define: methods, class-level
+    declarations and ``self._x`` assignments."""
+    members = set()
+    for module in ("scaler", "_scaler_state", "_scaler_surface"):
+        tree = ast.parse((ROOT / "unified_amp" / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                members.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                members.add(node.target.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id == "self" and isinstance(node.ctx, ast.Store):
+                members.add(node.attr)
+    return {m for m in members if m.startswith("_") and not m.startswith("__")}
+
+
+def test_adapters_read_no_private_member_of_the_core_scaler():
+    """TorchGradScaler goes through scaler.adapter_view; it may define torch.amp's own
+    private names (``_scale``, ``_per_optimizer_states``, ...) but read none of the core's."""
+    core = _core_scaler_private_members()
+    assert {"_dev", "_opt_states", "_check", "_scale_value"} <= core  # the reader works
+    reads = []
+    for path in sorted((ROOT / "backends").rglob("*.py")):
+        # the classes built on the core's GradScaler (their own names aside)
+        subclasses = [c for c in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(c, ast.ClassDef) and any(
+                          "GradScaler" in ast.unparse(b) for b in c.bases)]
+        for cls in subclasses:
+            own = {n.name for n in ast.walk(cls) if isinstance(n, ast.FunctionDef)}
+            for node in ast.walk(cls):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                        and node.value.id == "self" and node.attr in core - own:
+                    reads.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert reads == []
+
+
+def test_no_source_file_is_over_500_lines_and_gradscaler_reads_in_400():
+    long = {str(p.relative_to(ROOT)): n for p in _modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+    tree = ast.parse((ROOT / "unified_amp" / "scaler.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GradScaler"]
+    assert cls.end_lineno - cls.lineno + 1 <= 400

@@ -20,11 +20,17 @@ first installed of torch, megengine. Importing this package imports no framework
 
 from ._registry import available_backends, get_backend, register_backend, set_backend
 from .autocast import autocast, is_autocast_enabled
+from .cast_registry import (
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from .errors import (
     BackendUnavailableError,
     UnifiedAmpError,
     UnknownBackendError,
     UnsupportedPrecisionError,
+    UnsupportedTraceError,
 )
 from .forensics import OverflowReport, OverflowWarning, trace_forward
 from .grad import GradManager, clip_grad_norm
@@ -38,6 +44,7 @@ from .opt_levels import (
     scale_loss,
     state_dict,
 )
+from .pinning import keep_float32
 from .scaler import GradScaler
 
 __version__ = "0.1.0"
@@ -45,6 +52,10 @@ __version__ = "0.1.0"
 __all__ = [
     "autocast",
     "is_autocast_enabled",
+    "keep_float32",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
     "GradScaler",
     "GradManager",
     "clip_grad_norm",
@@ -67,4 +78,5 @@ __all__ = [
     "UnknownBackendError",
     "BackendUnavailableError",
     "UnsupportedPrecisionError",
+    "UnsupportedTraceError",
 ]

@@ -22,14 +22,14 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from ._interface import LOW_PRECISION
+from .interface import LOW_PRECISION
 from ._registry import get_backend
+from ._casting import _cast_tree
 from .autocast import autocast
 
 MASTER_KEY = "unified_amp_master_weights"  # the optimizer state_dict entry (O2)
 _MODEL_ATTR = "_unified_amp_forward"
 _OPT_ATTR = "_unified_amp"
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def check_fresh(models: list[Any], optimizers: list[Any]) -> None:
@@ -58,9 +58,13 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
             if id(p) not in snapshots and backend.dtype_name(p.dtype) == "float32":
                 snapshots[id(p)] = backend.master_copy(p)
     if props.casts_model:
+        from .pinning import pinned_modules  # (pinning imports this module)
+
         for model in models:
+            # Modules pinned by amp.keep_float32 keep float32 weights, and need no masters.
             backend.cast_module(model, props.cast_model_type,
-                                bool(props.keep_batchnorm_fp32))
+                                bool(props.keep_batchnorm_fp32),
+                                skip=pinned_modules(model, backend))
     for model in models:
         setattr(model, _MODEL_ATTR, _Forward(
             model.forward,
@@ -78,6 +82,7 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
                 pairs.append((p, snapshots[id(p)]))
         if pairs:
             _replace_params(opt, pairs, backend.optimizer_state(opt))
+            state.master_of.update((id(p), m) for p, m in pairs)
         info = _OptimizerAmp(state, opt, pairs)
         setattr(opt, _OPT_ATTR, info)
         if props.scales_loss or pairs:
@@ -136,23 +141,6 @@ class _Forward:
         self.inner = inner
         self.inputs = inputs
         self.autocast = None if autocast_dtype is None else autocast(dtype=autocast_dtype)
-
-
-def _cast_tree(x: Any, dtype: str, backend: Any, only_low: bool) -> Any:
-    """``x`` with its floating tensors cast to ``dtype`` (only the low-precision ones
-    when ``only_low``), through lists, tuples (named too) and dicts."""
-    if backend.is_tensor(x):
-        name = backend.dtype_name(x.dtype)
-        if name != dtype and name in (LOW_PRECISION if only_low else _FLOATS):
-            return backend.cast(x, dtype)
-        return x
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_cast_tree(v, dtype, backend, only_low) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cast_tree(v, dtype, backend, only_low) for v in x)
-    if isinstance(x, dict):
-        return type(x)((k, _cast_tree(v, dtype, backend, only_low)) for k, v in x.items())
-    return x
 
 
 def _amp_forward(module: Any, *args: Any, **kwargs: Any) -> Any:

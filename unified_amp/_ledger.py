@@ -33,6 +33,8 @@ other lookups go through an index built once per batch.
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import Any, Callable
 
@@ -256,7 +258,70 @@ class GradLedger:
     def empty(self) -> bool:
         return not self._batches
 
+    def split(self, params: list[Any], version: Version
+              ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+        """``params`` whose current gradient is a new generation, and those gradients;
+        the checks that unscaled the others; the params without a gradient.
+
+        Raises:
+            RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
+        """
+        grads = [p.grad for p in params]
+        if not self._batches:  # the usual step: one pass, no lookups
+            if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
+                return params, grads, [], []
+            pending = [p for p, g in zip(params, grads) if g is not None]
+            idle = [p for p, g in zip(params, grads) if g is None]
+            return pending, [g for g in grads if g is not None], [], idle
+        pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
+        for p, g, check in zip(params, grads, self.answers(params, grads, version)):
+            if check is MIXED:
+                mixed += 1
+            elif check is not None:
+                done[id(check)] = check
+            elif g is not None:
+                pending.append(p)
+                pending_grads.append(g)
+            else:
+                idle.append(p)
+        if mixed:
+            raise _mixed_error(mixed, len(params))
+        return pending, pending_grads, list(done.values()), idle
+
+    def held(self, params: list[Any], version: Version) -> list[Any]:
+        """The gradients of ``params`` that still hold the values a check unscaled.
+
+        Raises:
+            RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
+        """
+        if not self._batches:
+            return []
+        grads = [p.grad for p in params]
+        held, mixed = [], 0
+        for g, check in zip(grads, self.answers(params, grads, version)):
+            if check is MIXED:
+                mixed += 1
+            elif check is not None and g is not None:
+                held.append(g)  # (a gradient dropped on overflow holds nothing)
+        if mixed:
+            raise _mixed_error(mixed, len(params))
+        return held
+
 
 def _no_version(grad: Any) -> None:
     """The version counter of a framework without one."""
     return None
+
+
+_is_none = functools.partial(operator.is_, None)
+
+
+def _mixed_error(mixed: int, total: int) -> RuntimeError:
+    return RuntimeError(
+        f"{mixed} of the {total} gradients were unscaled, then a backward pass added"
+        f" scaled gradients to them before update(): they now mix unscaled and scaled"
+        f" values, and no unscale can fix that. When accumulating micro-batches, unscale"
+        f" once, after the last backward, or accumulate with scaler.backward(gm, loss),"
+        f" which rescales what it already unscaled (if you zeroed the gradients in place"
+        f" between iterations without calling update(), set them to None instead)."
+    )

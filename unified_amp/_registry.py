@@ -19,9 +19,12 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from .errors import BackendUnavailableError, UnknownBackendError
+
+if TYPE_CHECKING:
+    from .interface import Backend
 
 ENV_VAR = "UNIFIED_AMP_BACKEND"
 
@@ -42,8 +45,8 @@ _AUTO_ORDER = ("torch", "megengine")
 
 _lock = threading.Lock()
 _chosen: str | None = None  # set by set_backend()
-_active: Any = None  # the adapter instance in use
-_instances: dict[str, Any] = {}
+_active: "Backend | None" = None  # the adapter instance in use
+_instances: "dict[str, Backend]" = {}
 _factories: dict[str, Callable[[], Any]] = {}  # register_backend()
 
 
@@ -181,10 +184,10 @@ def _bind_checkout_backends() -> None:
         raise
 
 
-def _load(name: str) -> Any:
+def _load(name: str) -> "Backend":
     target = _known()[name]
     if callable(target):
-        return target()
+        return cast("Backend", target())
     module_name, _, attr = target.partition(":")
     if module_name.startswith(_ADAPTERS + "."):
         _bind_checkout_backends()
@@ -194,10 +197,10 @@ def _load(name: str) -> Any:
         if name in _BUILTIN and not _framework_installed(name):
             raise _unavailable(name) from exc
         raise
-    return getattr(module, attr)()
+    return cast("Backend", getattr(module, attr)())
 
 
-def get_backend() -> Any:
+def get_backend() -> "Backend":
     """The active adapter (``.name`` is "torch" or "megengine"), made on first use."""
     global _active
     active = _active

@@ -13,20 +13,19 @@ settings and checkpoints are ``ScalerSurface``'s (_scaler_surface.py).
 from __future__ import annotations
 
 import enum
-import functools
 import math
-import operator
 import weakref
 from typing import Any, Sequence
 
-from . import distributed
-from ._ledger import MIXED, Check, GradLedger, _no_version
+from . import _tracing, distributed
+from ._ledger import Check, GradLedger, _no_version
 from ._registry import get_backend
 from ._scale_rule import next_scale, valid_scale
 from ._targets import is_optimizer, params_of
-from .forensics import Forensics
+from ._scaler_forensics import Forensics
+from .interface import Backend, DeviceResident, DeviceScale, GradVersions, capability
 
-__all__: list[str] = []
+__all__ = ["AdapterView"]
 
 
 class _Stage(enum.Enum):
@@ -64,8 +63,10 @@ class ScalerState:
     _last_step_skipped: bool
     _as_of_step: int  # the step the telemetry describes (lags only in device mode)
     # Across iterations.
-    _backend: Any
-    _dev: Any  # the adapter's device-resident scale, once a fused step ran
+    _backend: Backend | None
+    _dev: DeviceScale | None  # the adapter's device-resident scale, once a fused step ran
+    #                           (or a trace)
+    _trace_copy: Any  # the adapter's copy of the scale for traced steps (_tracing.py)
     _ledger: GradLedger
     _updated_by_backward: bool  # the last update() was backward()'s own
     _forensics: Forensics  # overflow reports (forensics.py)
@@ -75,7 +76,12 @@ class ScalerState:
     # groups stay the same lists: rebuilding it is a pass over every parameter
     _param_lists: "weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]]"
 
-    def _be(self) -> Any:
+    @property
+    def adapter_view(self) -> AdapterView:
+        """The declared members an adapter's subclass may read (:class:`AdapterView`)."""
+        return AdapterView(self)
+
+    def _be(self) -> Backend:
         if self._backend is None:
             self._backend = get_backend()
         return self._backend
@@ -101,17 +107,43 @@ class ScalerState:
     @property
     def _version(self) -> Any:
         """The adapter's gradient version counter, or a stand-in that has none."""
-        return getattr(self._be(), "grad_version", _no_version)
+        versions = capability(self._be(), GradVersions)
+        return _no_version if versions is None else versions.grad_version
 
     def _steps_on_device(self, optimizer: Any) -> bool:
-        backend = self._be()
-        supported = getattr(backend, "steps_on_device", None)
-        if supported is None or not supported(optimizer):
+        backend = capability(self._be(), DeviceResident)
+        if backend is None or not backend.steps_on_device(optimizer):
             return False
         if self._dev is None:
             self._dev = backend.device_scale(optimizer, self._scale_value, self._tracker,
                                              self._skipped_steps)
         return True
+
+    def _traced(self, what: str) -> bool:
+        """Whether ``what`` runs inside a trace (_tracing.py), raising where it cannot
+        run there as it does eagerly. Inside one the scale lives on the device from
+        then on, starting from the copy kept current until then."""
+        backend = self._be()
+        if not _tracing.enter(backend, what, (self._growth_factor, self._backoff_factor)):
+            if self._dev is None and self._trace_copy is None:
+                self._mirror()  # after unpickling
+            return False
+        if self._dev is None:
+            self._dev = _tracing.take_copy(backend, what, self._trace_copy)
+        return True
+
+    def _refuse_in_trace(self, what: str, kind: str) -> None:
+        """Raises if ``what``, a call that needs the host, runs inside a trace."""
+        if self._enabled and _tracing.mode(self._be()) is not None:
+            raise _tracing.refuse(self._be(), what, kind)
+
+    def _mirror(self) -> None:
+        """Brings the adapter's trace copy of the scale up to date with the host's (a
+        trace can only use device state that is right when it starts)."""
+        if self._enabled and self._dev is None:
+            self._trace_copy = _tracing.mirror(self._be(), self._trace_copy,
+                                               self._scale_value, self._tracker,
+                                               self._skipped_steps)
 
     def _inv_scale(self) -> float:
         # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
@@ -139,55 +171,19 @@ class ScalerState:
         """``params`` with a gradient that still needs unscaling and those gradients,
         the checks that already covered others (from the ledger), and the params with
         neither."""
-        grads = [p.grad for p in params]
-        if self._ledger.empty():  # the usual step: one pass, no lookups
-            if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
-                return params, grads, [], []
-            pending = [p for p, g in zip(params, grads) if g is not None]
-            idle = [p for p, g in zip(params, grads) if g is None]
-            return pending, [g for g in grads if g is not None], [], idle
-        pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
-        for p, g, check in zip(params, grads,
-                               self._ledger.answers(params, grads, self._version)):
-            if check is MIXED:
-                mixed += 1
-            elif check is not None:
-                done[id(check)] = check
-            elif g is not None:
-                pending.append(p)
-                pending_grads.append(g)
-            else:
-                idle.append(p)
-        if mixed:
-            raise _mixed_error(mixed, len(params))
-        return pending, pending_grads, list(done.values()), idle
+        return self._ledger.split(params, self._version)
 
     def _rescale_held(self, params: list[Any]) -> None:
         """Brings gradients this scaler unscaled, and that still hold those values,
         back to the current scale, in one fused multiply: the backward about to run
         adds scaled gradients to them, and one unscale afterwards then gives the true
-        sum (automatic mode's accumulation; docs/DROP_IN.md)."""
-        if self._ledger.empty():
-            return
-        grads = [p.grad for p in params]
-        held, mixed = [], 0
-        for g, check in zip(grads, self._ledger.answers(params, grads, self._version)):
-            if check is MIXED:
-                mixed += 1
-            elif check is not None and g is not None:
-                held.append(g)  # (a gradient dropped on overflow holds nothing)
-        if mixed:
-            raise _mixed_error(mixed, len(params))
-        if not held:
-            return
-        grads = held
-        # The fused check-and-multiply kernel, given the scale where an unscale gives
-        # its reciprocal; the flag is not read: a gradient that is inf/NaN (or becomes
-        # so) stays so, and the unscale after the backward finds it.
-        if self._dev is not None:
-            self._dev.rescale(grads)
-        else:
-            self._be().unscale_and_check(grads, self._scale_value)
+        sum (automatic mode's accumulation; docs/DROP_IN.md). The flag is not read: a
+        gradient that is inf/NaN (or becomes so) stays so, and that unscale finds it."""
+        held = self._ledger.held(params, self._version)
+        if held and self._dev is not None:
+            self._dev.rescale(held)
+        elif held:  # the fused check-and-multiply kernel, given the scale itself
+            self._be().unscale_and_check(held, self._scale_value)
 
     def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str
                         ) -> tuple[Any, bool]:
@@ -268,7 +264,7 @@ class ScalerState:
         else:
             check = Check(None, False) if flag is None else Check(flag, None)
         if check.found is None:
-            check.on_overflow = self._forensics.hook(params)
+            check.on_overflow = self._forensics.hook(params, backend, self._steps + 1)
         if read:
             check.verdict(self._read)  # the one sync
         self._checks.append(check)
@@ -294,6 +290,7 @@ class ScalerState:
                 )
         if params is None:
             params = params_of(target, self._be(), f"GradScaler.{what}")
+        distributed.note_module(self._be(), target)
         pending, grads, done, idle = self._split(params)
         if done:
             raise RuntimeError(
@@ -335,6 +332,7 @@ class ScalerState:
         if any(c.found is True for c in checks):
             return None
         if on_device:
+            assert self._dev is not None  # _steps_on_device() made it
             return self._dev.step(optimizer, fused_unscale,
                                   [c.ready() for c in checks if c.flag is not None],
                                   args, kwargs)
@@ -382,6 +380,7 @@ class ScalerState:
                 )
             if checked:
                 self._count_step(found)
+            self._mirror()
         self._updated_by_backward = False
         self._new_iteration()
 
@@ -402,9 +401,11 @@ class ScalerState:
         self._forensics.counted(skipped, self._scale_value, self._steps)
 
     def _set_scale(self, value: float) -> None:
+        self._refuse_in_trace("Setting GradScaler.scale_factor", "write")
         self._scale_value = value
         if self._dev is not None:
             self._dev.load(value, None)
+        self._mirror()
 
     def _sync_from_device(self) -> None:
         """Reads the device-resident scale and tracker back (a sync, as torch.amp's
@@ -416,15 +417,62 @@ class ScalerState:
         return valid_scale(value, what, self._be)
 
 
-_is_none = functools.partial(operator.is_, None)
+class AdapterView:
+    """What an adapter's GradScaler subclass may read of the core's state (the torch
+    adapter's ``TorchGradScaler`` derives torch.amp's private attributes from it), and
+    nothing else: ``scaler.adapter_view``. Members:
 
+    - ``enabled``, ``device`` (the constructor's, or None), ``device_scale`` (the
+      adapter's :class:`~unified_amp.interface.DeviceScale` once a fused optimizer
+      stepped, else None);
+    - ``host_scale()``: (scale, growth tracker) as the host holds them, no sync (in
+      device mode, as last read back); ``synced_scale()``: the same after reading the
+      device values back (a sync in device mode, as ``get_scale()``);
+    - ``stages()``: per optimizer (keyed by ``id()``) in this iteration, its stage
+      ("READY", "UNSCALED" or "STEPPED", torch.amp's names) and the checks behind it;
+      ``checks_of(optimizer)``: those checks. A check's ``flag`` (a device flag or
+      None), ``found`` (True, False, or None while unread) and ``ready()`` (the flag,
+      once any all-reduce of it finished) are the declared members of a check;
+    - ``check_only(optimizer)``: checks the optimizer's gradients without unscaling
+      them (torch's older ``step(grad_scaler=...)`` contract: the optimizer unscales),
+      recorded for that optimizer and counted by the next ``update()``.
+    """
 
-def _mixed_error(mixed: int, total: int) -> RuntimeError:
-    return RuntimeError(
-        f"{mixed} of the {total} gradients were unscaled, then a backward pass added"
-        f" scaled gradients to them before update(): they now mix unscaled and scaled"
-        f" values, and no unscale can fix that. When accumulating micro-batches, unscale"
-        f" once, after the last backward, or accumulate with scaler.backward(gm, loss),"
-        f" which rescales what it already unscaled (if you zeroed the gradients in place"
-        f" between iterations without calling update(), set them to None instead)."
-    )
+    __slots__ = ("_scaler",)
+
+    def __init__(self, scaler: ScalerState) -> None:
+        self._scaler = scaler
+
+    @property
+    def enabled(self) -> bool:
+        return self._scaler._enabled
+
+    @property
+    def device(self) -> str | None:
+        return self._scaler._device
+
+    @property
+    def device_scale(self) -> DeviceScale | None:
+        return self._scaler._dev
+
+    def host_scale(self) -> tuple[float, int]:
+        return self._scaler._scale_value, self._scaler._tracker
+
+    def synced_scale(self) -> tuple[float, int]:
+        self._scaler._sync_from_device()
+        return self.host_scale()
+
+    def stages(self) -> dict[int, tuple[str, list[Check]]]:
+        return {key: (state.stage.name, list(state.checks))
+                for key, state in self._scaler._opt_states.items()}
+
+    def checks_of(self, optimizer: Any) -> list[Check]:
+        state = self._scaler._opt_states.get(id(optimizer))
+        return [] if state is None else list(state.checks)
+
+    def check_only(self, optimizer: Any) -> Check:
+        scaler = self._scaler
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        check = scaler._check(params, unscale=False, read=False, allow_fp16=True)
+        scaler._opt_state(optimizer).checks.append(check)
+        return check

@@ -8,10 +8,12 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from . import _tracing
 from ._ledger import GradLedger
 from ._scale_rule import check_factors, f32
 from ._scaler_state import ScalerState
-from .forensics import Forensics, OverflowReport
+from ._scaler_forensics import Forensics
+from .forensics import OverflowReport
 
 __all__: list[str] = []
 
@@ -28,6 +30,7 @@ class ScalerSurface(ScalerState):
         except after a fused optimizer moved the scale to the device (as torch.amp)."""
         if not self._enabled:
             return 1.0
+        self._refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
         self._sync_from_device()
         return self._scale_value
 
@@ -37,6 +40,7 @@ class ScalerSurface(ScalerState):
 
         Reading it counts as handing the scale out (megengine.amp's manual mode passes
         it as ``dy`` to ``gm.backward``)."""
+        self._refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
         self._handed_blind = True
         return self.get_scale()
 
@@ -57,7 +61,8 @@ class ScalerSurface(ScalerState):
         values describe. It equals ``steps`` except with fused optimizers on a GPU,
         where the values arrive asynchronously and may trail by a step or two.
         """
-        if self._enabled and self._dev is not None:
+        # Inside a trace the values stay as of the last read (as_of_step says which).
+        if self._enabled and self._dev is not None and _tracing.mode(self._be()) is None:
             snapshot = self._dev.poll()
             if snapshot is not None:
                 (self._as_of_step, self._scale_value, self._tracker, self._skipped_steps,
@@ -141,6 +146,7 @@ class ScalerSurface(ScalerState):
         Empty when disabled (as torch.amp)."""
         if not self._enabled:
             return {}
+        self._refuse_in_trace("GradScaler.state_dict()", "read")
         self._sync_from_device()
         return {
             "scale": self._scale_value,
@@ -156,6 +162,7 @@ class ScalerSurface(ScalerState):
         mapping at all) and leaves the scaler unchanged. No-op when disabled."""
         if not self._enabled:
             return
+        self._refuse_in_trace("GradScaler.load_state_dict()", "write")
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"GradScaler.load_state_dict() expects a dict from state_dict(); got"
@@ -199,6 +206,7 @@ class ScalerSurface(ScalerState):
         self._tracker = tracker
         if self._dev is not None:
             self._dev.load(self._scale_value, tracker)
+        self._mirror()
 
     def __getstate__(self) -> dict[str, Any]:
         if self._opt_states or self._checks:
@@ -210,6 +218,7 @@ class ScalerSurface(ScalerState):
         state = self.__dict__.copy()
         state["_backend"] = None  # re-resolved on first use after unpickling
         state["_dev"] = None  # device tensors are remade at the next fused step
+        state["_trace_copy"] = None  # remade at the next call outside a trace
         state["_ledger"] = GradLedger()  # it refers to live tensors
         state["_param_lists"] = None  # weak references do not pickle
         state["_forensics"] = None  # it refers to models; watch() again after loading
@@ -219,13 +228,17 @@ class ScalerSurface(ScalerState):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_trace_copy", None)  # pickled before traces were known
         self._param_lists = weakref.WeakKeyDictionary()
         if self.__dict__.get("_forensics") is None:
-            self._forensics = Forensics(self)
+            self._forensics = Forensics(self, self._enabled)
 
     def __repr__(self) -> str:
+        # Inside a trace the scale is on the device, and reading it is refused.
+        traced = self._enabled and _tracing.mode(self._be()) is not None
+        scale = "<on the device, in a trace>" if traced else self.get_scale()
         return (
-            f"GradScaler(scale={self.get_scale()}, growth_factor={self._growth_factor},"
+            f"GradScaler(scale={scale}, growth_factor={self._growth_factor},"
             f" backoff_factor={self._backoff_factor},"
             f" growth_interval={self._growth_interval}, enabled={self._enabled})"
         )

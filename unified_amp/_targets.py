@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import distributed
-
 
 def is_optimizer(obj: Any) -> bool:
     return hasattr(obj, "param_groups") and hasattr(obj, "step")
@@ -34,9 +32,6 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
     elif backend.is_tensor(target):
         params = [target]
     elif backend.is_module(target):
-        # Remembered (weakly) so that unscaling its parameters inside DDP's no_sync()
-        # window can be caught later, whatever target the unscale names.
-        distributed.note_module(target)
         params = list(target.parameters())
     else:
         try:

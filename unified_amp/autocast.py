@@ -7,7 +7,7 @@ import inspect
 import re
 from typing import Any, Callable, TypeVar, cast, overload
 
-from ._interface import LOW_PRECISION
+from .interface import LOW_PRECISION
 from ._registry import get_backend
 
 __all__ = ["autocast", "is_autocast_enabled"]

@@ -34,6 +34,7 @@ import weakref
 from typing import Any
 
 from ._ledger import Check
+from .interface import Collectives, DataParallelHooks, capability
 
 __all__: list[str] = []
 
@@ -45,7 +46,7 @@ SHARDED = "sharded"  # a per-rank shard with no agreement of its own (FSDP1)
 
 def supported(backend: Any) -> bool:
     """Whether the adapter provides the distributed primitives."""
-    return hasattr(backend, "all_reduce_max_async")
+    return capability(backend, Collectives) is not None
 
 
 def check_group(backend: Any, group: Any) -> None:
@@ -87,10 +88,8 @@ def plan(backend: Any, params: list[Any], idle: list[Any], group: Any) -> Agreem
     Depends on the parameters only, never on which of them hold a gradient here, so
     that every rank reaches the same answer.
     """
-    if group is None:
-        world = getattr(backend, "world_group", None)
-        if world is None or world() is None:
-            return None  # single process: nothing to agree with
+    if group is None and not active(backend, None):
+        return None  # single process: nothing to agree with
     kind = backend.grad_kind
     kinds = set()
     standins = []
@@ -113,20 +112,28 @@ def active(backend: Any, group: Any) -> bool:
     of several. Cheap; the same on every rank."""
     if group is not None:
         return True
-    world = getattr(backend, "world_group", None)
-    return world is not None and world() is not None
+    collectives = capability(backend, Collectives)
+    return collectives is not None and collectives.world_group() is not None
 
 
 # -- modules the user showed us, for the no_sync() check -----------------------------------
 # Modules passed as a target (amp.GradManager(model), clip_grad_norm(model),
 # scaler.unscale_(model)), held weakly: DDP keeps its "inside no_sync()" state on the
-# module, and nothing on a parameter leads back to it.
+# module, and nothing on a parameter leads back to it. This is a fact about modules, not
+# any scaler's state: every scaler that unscales a noted module's parameters must refuse
+# inside its no_sync() window, whichever object showed the module (the loop in
+# tests/native/torch_dist_scenarios.py shows it to a GradManager and unscales the
+# optimizer). The three callers note the module explicitly.
 _modules: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def note_module(module: Any) -> None:
+def note_module(backend: Any, target: Any) -> None:
+    """Remembers ``target``, weakly, if it is a module of ``backend``'s framework (a
+    GradManager, optimizer or iterable of parameters is not)."""
+    if not backend.is_module(target):
+        return
     try:
-        _modules.add(module)
+        _modules.add(target)
     except TypeError:  # not weak-referenceable: then we cannot watch it
         pass
 
@@ -137,11 +144,11 @@ def require_synced(backend: Any, params: list[Any], what: str) -> None:
     could take different decisions."""
     if not _modules or not params or not active(backend, None):
         return  # DDP needs a process group: nothing to check in a single process
-    paused = getattr(backend, "grad_sync_paused", None)
-    if paused is None:
+    hooks = capability(backend, DataParallelHooks)
+    if hooks is None:
         return
     for module in list(_modules):
-        if not paused(module):
+        if not hooks.grad_sync_paused(module):
             continue
         ids = {id(p) for p in params}
         if any(id(p) in ids for p in module.parameters()):

@@ -12,6 +12,7 @@ __all__ = [
     "UnknownBackendError",
     "BackendUnavailableError",
     "UnsupportedPrecisionError",
+    "UnsupportedTraceError",
 ]
 
 
@@ -41,4 +42,16 @@ class UnsupportedPrecisionError(UnifiedAmpError, RuntimeError):
 
     Raised when the ``autocast`` block is entered, before any kernel runs, so the failure
     never surfaces later as an asynchronous error or at interpreter exit.
+    """
+
+
+class UnsupportedTraceError(UnifiedAmpError, RuntimeError):
+    """A scaler call that a compiled or traced step cannot run as the eager step does.
+
+    Raised inside ``megengine.jit.trace`` by the calls that need a host read of a device
+    value (``backward(gm, loss)`` and ``unscale()``, which drop overflowed gradients;
+    ``get_scale()``, ``scale_factor``, ``state_dict()``, ``update(new_scale=...)``), and
+    by any scaler call in a trace that replays without running Python
+    (``without_host=True``). Raised before the call changes any gradient, weight or
+    scale; the message says what to move out of the trace.
     """

@@ -20,25 +20,28 @@ Two parts, both written once here over the adapter's primitives:
   per sample.
   Outside a ``trace_forward`` block no hook is installed.
 
+Each trace keeps its own flags; each GradScaler reads those recorded since its own last
+``update()``, and flags are dropped only once every live scaler has passed them, so two
+scalers in one process never clear or read each other's. This module holds the reports
+and the tracing; one scaler's side (its hook, history and warning state) is
+``_scaler_forensics.py``.
+
 Reports read the same on both backends: parameter names are the frameworks' dotted
 module paths (the same for the same model), sorted, and the wording is fixed here.
 """
 
 from __future__ import annotations
 
-import collections
+import itertools
 import math
-import os
-import re
-import sys
-import warnings
 import weakref
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from ._interface import LOW_PRECISION
+from . import _tracing
+from .interface import LOW_PRECISION
 from ._registry import get_backend
+from .pinning import pin_expression
 
 __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning",
            "ForwardTrace", "trace_forward"]
@@ -85,11 +88,20 @@ class NonFiniteOutput:
         module: its dotted name in the traced model ("" is the model itself).
         type: its class name (``Linear``).
         dtype: the dtype of that output ("float16" means autocast ran it in float16).
+        pin: the module as a Python expression on the model, ``model.encoder.layer3``
+            or ``model[1]``: named from a model given to ``GradScaler.watch()`` when it
+            holds the module, else from the traced model.
     """
 
     module: str
     type: str
     dtype: str
+    pin: str = "model"
+
+    @property
+    def fix(self) -> str:
+        """The call that runs this module in float32: ``amp.keep_float32(model.x)``."""
+        return f"amp.keep_float32({self.pin})"
 
     def describe(self) -> str:
         return f"{self.module or '(model)'} ({self.type}, {self.dtype})"
@@ -111,6 +123,9 @@ class OverflowReport:
         first_nonfinite: the first traced module with a non-finite output, or None.
         bad_samples: indices (along the batch dimension) of the traced model's input
             samples that held inf/NaN.
+        forward_in_trace: the forward ran inside a traced function
+            (``megengine.jit.trace``), whose outputs :func:`trace_forward` cannot read
+            back, so ``traced`` is False.
     """
 
     step: int
@@ -121,6 +136,7 @@ class OverflowReport:
     traced: bool
     first_nonfinite: NonFiniteOutput | None
     bad_samples: tuple[int, ...]
+    forward_in_trace: bool = False
 
     @property
     def cause(self) -> str:
@@ -166,12 +182,12 @@ class OverflowReport:
             assert first is not None  # what a forward-<dtype> cause is made from
             if cause == "forward-float16":
                 return (f"first non-finite forward output: {first.describe()}, a float16"
-                        f" overflow (|x| > 65504): run that op in float32"
-                        f" (autocast(enabled=False)) or use bfloat16")
+                        f" overflow (|x| > 65504): run it in float32 with {first.fix}"
+                        f" or use bfloat16")
             if cause == "forward-bfloat16":
                 return (f"first non-finite forward output: {first.describe()}: not an"
-                        f" overflow (bfloat16 has float32's range); if that op cancels or"
-                        f" divides, run it in float32 (autocast(enabled=False)), else the"
+                        f" overflow (bfloat16 has float32's range); if it cancels or"
+                        f" divides, run it in float32 with {first.fix}, else the"
                         f" inf/NaN is genuine")
             if cause == "forward-float32":
                 return (f"first non-finite forward output: {first.describe()}, computed in"
@@ -182,7 +198,9 @@ class OverflowReport:
             where = "every traced forward output" if self.traced else "the loss"
             return (f"{where} was finite, so the scaled gradients overflowed in the"
                     f" backward pass; the scale backs off")
-        hint = "; amp.trace_forward(model) finds the layer"
+        hint = ("; the forward ran inside a traced function, where amp.trace_forward"
+                " cannot read its outputs: run one step untraced to find the layer"
+                if self.forward_in_trace else "; amp.trace_forward(model) finds the layer")
         if cause == "forward":
             return "the loss itself is inf/NaN, so the forward pass made it" + hint
         return "forward or backward pass, unknown without the loss" + hint
@@ -212,8 +230,10 @@ class OverflowReport:
                            "nan": g.nan} for g in self.gradients],
             "traced": self.traced,
             "first_nonfinite": None if first is None else
-            {"module": first.module, "type": first.type, "dtype": first.dtype},
+            {"module": first.module, "type": first.type, "dtype": first.dtype,
+             "pin": first.pin},
             "bad_samples": list(self.bad_samples),
+            "forward_in_trace": self.forward_in_trace,
             "cause": self.cause,
             "line": self.line(),
         }
@@ -221,36 +241,33 @@ class OverflowReport:
 
 # -- forward tracing ---------------------------------------------------------------------
 class _Record:
-    __slots__ = ("trace", "index", "dtype", "flag", "is_input")
+    __slots__ = ("trace", "seq", "index", "dtype", "flag", "is_input")
 
     def __init__(self, trace: "ForwardTrace", index: int, dtype: str, flag: Any,
                  is_input: bool) -> None:
         self.trace, self.index, self.dtype, self.flag = trace, index, dtype, flag
+        self.seq = next(_clock)  # execution order across traces
         self.is_input = is_input
 
 
-# Flags of every active trace since the last clear (a GradScaler's update() clears
-# them), in execution order. Bounded, for traces used without a scaler.
-_records: list[_Record] = []
-_MAX_RECORDS = 1 << 16
-_active: list["ForwardTrace"] = []
+_MAX_RECORDS = 1 << 16  # per trace: bounded, for traces used without a scaler
+# Counts records and scaler updates as they happen, so that flags from several traces
+# read in execution order and each scaler reads those after its own last update. A
+# clock: it only counts; no scaler's state depends on another's through it.
+_clock = itertools.count()
+# Weakly, every trace that was ever started (where a scaler looks for flags when it
+# reports) and every live scaler that reads them (one's flags are dropped once all have
+# passed them). Neither holds any scaler's state.
+_traces: "weakref.WeakSet[ForwardTrace]" = weakref.WeakSet()
+_readers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def _clear_records() -> None:
-    _records.clear()
-
-
-def _append(record: _Record) -> None:
-    if len(_records) >= _MAX_RECORDS:
-        del _records[: _MAX_RECORDS // 2]
-    _records.append(record)
-
-
-def _floating_tensors(obj: Any, backend: Any) -> list[Any]:
+def _floating_tensors(obj: Any, backend: Any) -> list[tuple[Any, str]]:
     """The floating-point tensors in a module's inputs or outputs (nested lists,
-    tuples and dicts)."""
+    tuples and dicts), each with its dtype's name."""
     if backend.is_tensor(obj):
-        return [obj] if backend.dtype_name(obj.dtype) in _FLOATING else []
+        dtype = backend.dtype_name(obj.dtype)
+        return [(obj, dtype)] if dtype in _FLOATING else []
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in _floating_tensors(item, backend)]
     if isinstance(obj, dict):
@@ -265,8 +282,8 @@ class ForwardTrace:
     ``stop()`` for a trace that outlives a block. While started, every submodule has a
     forward hook that leaves one device-side flag per floating output (no host read),
     and the model itself a pre-hook that flags each input sample. A GradScaler reads
-    the flags only when it reports an overflow, and clears them at every ``update()``.
-    Stopped, no hook is left on any module.
+    the flags only when it reports an overflow; flags every scaler reading this trace
+    has passed (at its ``update()``) are dropped. Stopped, no hook is left on any module.
     """
 
     def __init__(self, model: Any) -> None:
@@ -280,7 +297,10 @@ class ForwardTrace:
         self._backend = backend
         self.model = model
         self._modules: list[tuple[str, str]] = []  # (name, class name) by hook index
+        self._module_refs: list[Callable[[], Any]] = []  # the modules, by hook index
         self._removers: list[Any] = []
+        self._started_at = -1  # when start() last ran, on the records' clock
+        self._records: list[_Record] = []  # in execution order
 
     @property
     def active(self) -> bool:
@@ -294,19 +314,19 @@ class ForwardTrace:
         backend = self._backend
         modules = backend.named_modules(self.model)
         self._modules = [(name, type(m).__name__) for name, m in modules]
+        self._module_refs = [_ref(m) for _, m in modules]
         self._removers = [backend.add_forward_hook(self.model, self._input_hook, pre=True)]
         for index, (_, module) in enumerate(modules):
             self._removers.append(backend.add_forward_hook(module, self._output_hook(index)))
-        _active.append(self)
+        self._started_at = next(_clock)
+        _traces.add(self)
         return self
 
     def stop(self) -> None:
-        """Removes every hook. The flags already recorded stay until cleared."""
+        """Removes every hook. The flags already recorded stay until read or cleared."""
         for handle in self._removers:
             handle.remove()
         self._removers = []
-        if self in _active:
-            _active.remove(self)
 
     def __enter__(self) -> "ForwardTrace":
         return self.start()
@@ -314,33 +334,58 @@ class ForwardTrace:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def _append(self, record: _Record) -> None:
+        if len(self._records) >= _MAX_RECORDS:
+            del self._records[:_MAX_RECORDS // 2]
+        self._records.append(record)
+
+    def _after(self, seq: int) -> list[_Record]:
+        """The records made after clock value ``seq``."""
+        n = 0
+        while n < len(self._records) and self._records[n].seq < seq:
+            n += 1
+        return self._records[n:]
+
+    def _drop_before(self, seq: int) -> None:
+        n = 0
+        while n < len(self._records) and self._records[n].seq < seq:
+            n += 1
+        del self._records[:n]
+
     def _input_hook(self, module: Any, inputs: Any) -> None:
         backend = self._backend
-        for i, t in enumerate(_floating_tensors(inputs, backend)):
+        if _tracing.mode(backend) is not None:
+            # Inside a trace a flag read back after a replay is not this call's value
+            # (it reads as finite); mark the forward unseen instead of flagging it.
+            self._append(_Record(self, -1, "", None, True))
+            return
+        for i, (t, dtype) in enumerate(_floating_tensors(inputs, backend)):
             if len(t.shape):
-                _append(_Record(self, i, backend.dtype_name(t.dtype),
-                                backend.finite_flag(t, per_row=True), True))
+                self._append(_Record(self, i, dtype, backend.finite_flag(t, per_row=True),
+                                     True))
 
     def _output_hook(self, index: int) -> Callable[..., None]:
         backend = self._backend
 
         def hook(module: Any, inputs: Any, outputs: Any) -> None:
-            for t in _floating_tensors(outputs, backend):
-                _append(_Record(self, index, backend.dtype_name(t.dtype),
-                                backend.finite_flag(t), False))
+            if _tracing.mode(backend) is not None:
+                return  # see _input_hook
+            for t, dtype in _floating_tensors(outputs, backend):
+                self._append(_Record(self, index, dtype, backend.finite_flag(t), False))
 
         return hook
 
     def first_nonfinite(self) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
         """Reads this trace's flags (one host read): the first module whose output was
-        non-finite since the last clear, and the input samples that were."""
-        records = [r for r in _records if r.trace is self]
+        non-finite among those it holds, and the input samples that were."""
+        # (Forwards run inside a trace left no flag: see _input_hook.)
+        records = [r for r in self._records if r.flag is not None]
         _, _, finite = self._backend.read_overflow([], None, [r.flag for r in records])
-        return _first_nonfinite(records, finite)
+        return first_nonfinite(records, finite)
 
     def clear(self) -> None:
-        """Forgets the flags recorded so far (by every trace)."""
-        _clear_records()
+        """Forgets the flags this trace recorded so far."""
+        self._records.clear()
 
     def __repr__(self) -> str:
         state = "active" if self.active else "stopped"
@@ -366,8 +411,56 @@ def trace_forward(model: Any) -> ForwardTrace:
     return ForwardTrace(model)
 
 
-def _first_nonfinite(records: list[_Record], finite: list[list[bool]]
-                     ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
+def traces() -> list[ForwardTrace]:
+    """Every trace started and not yet freed, in the order they were last started."""
+    return sorted(_traces, key=lambda t: t._started_at)
+
+
+class Reader:
+    """What reads traces' flags for one scaler: it reads those recorded after its last
+    ``passed()``, and flags every live reader has passed are dropped."""
+
+    def __init__(self) -> None:
+        self.since = next(_clock)
+        _readers.add(self)
+
+    def unread(self) -> list[_Record]:
+        """The flags recorded since this reader last passed, in execution order."""
+        records = [r for t in traces() for r in t._after(self.since)]
+        records.sort(key=lambda r: r.seq)
+        return records
+
+    def passed(self) -> None:
+        """This reader is done with every flag recorded so far."""
+        self.since = next(_clock)
+        horizon = min(reader.since for reader in _readers)
+        for trace in traces():
+            trace._drop_before(horizon)
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # not weakly referenceable: hold it
+        return lambda: obj
+
+
+def _pin_name(record: _Record, watched: Sequence[Any]) -> str:
+    """The dotted name of the record's module in the first watched model that holds
+    it, else in the traced model."""
+    trace = record.trace
+    module = trace._module_refs[record.index]() if trace._module_refs else None
+    if module is not None:
+        for model in watched:
+            for name, m in trace._backend.named_modules(model):
+                if m is module:
+                    return name
+    return trace._modules[record.index][0]
+
+
+def first_nonfinite(records: list[_Record], finite: list[list[bool]],
+                    watched: Sequence[Any] = ()
+                    ) -> tuple[NonFiniteOutput | None, tuple[int, ...]]:
     """The first non-finite module output and the bad input samples, from the flags
     of ``records`` as read back (``finite``)."""
     first: NonFiniteOutput | None = None
@@ -380,172 +473,6 @@ def _first_nonfinite(records: list[_Record], finite: list[list[bool]]
                 samples = tuple(i for i, row_ok in enumerate(ok) if not row_ok)
         elif first is None:
             name, kind = record.trace._modules[record.index]
-            first = NonFiniteOutput(name, kind, record.dtype)
+            first = NonFiniteOutput(name, kind, record.dtype,
+                                    pin_expression(_pin_name(record, watched)))
     return first, samples
-
-
-# -- the scaler's side -------------------------------------------------------------------
-def _natural(name: str) -> list[Any]:
-    # "layers.10.weight" after "layers.9.weight"
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def _ref(obj: Any) -> Callable[[], Any]:
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # not weakly referenceable: hold it
-        return lambda: obj
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel of the first frame outside this package, for warnings."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _check_int(name: str, value: Any, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"GradScaler.watch() {name} must be an int; got {value!r}.")
-    if value < least:
-        raise ValueError(f"GradScaler.watch() {name} must be >= {least}; got {value!r}.")
-
-
-class Forensics:
-    """One GradScaler's overflow reports, history and warning state (internal)."""
-
-    def __init__(self, scaler: Any) -> None:
-        self._scaler = weakref.ref(scaler)
-        self._models: list[Callable[[], Any]] = []
-        self._loss: Any = None  # the last loss scaled in this iteration
-        self.warn_after = 10
-        self.warn_below = 1.0
-        self.history: collections.deque[OverflowReport] = collections.deque(maxlen=16)
-        self.last: OverflowReport | None = None
-        self._run = 0  # skipped steps in a row
-        self._warned = False  # this run of skipped steps has been warned about
-
-    def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
-        _check_int("warn_after", warn_after, 1)
-        _check_int("history", history, 0)
-        if isinstance(warn_below, bool) or not isinstance(warn_below, (int, float)) or \
-                not (warn_below >= 0 and math.isfinite(warn_below)):
-            raise ValueError(
-                f"GradScaler.watch() warn_below must be a finite number >= 0 (0 turns the"
-                f" floor off); got {warn_below!r}."
-            )
-        if model is not None:
-            backend = get_backend()
-            if not backend.is_module(model):
-                hint = (" Pass the model itself, not its parameters."
-                        if isinstance(model, (list, tuple)) or hasattr(model, "__next__")
-                        else "")
-                raise TypeError(
-                    f"GradScaler.watch() expects a {backend.name} module (the model whose"
-                    f" parameters get names in overflow reports); got"
-                    f" {type(model).__name__}.{hint}"
-                )
-            if all(ref() is not model for ref in self._models):
-                self._models.append(_ref(model))
-        self.warn_after, self.warn_below = warn_after, float(warn_below)
-        if history != self.history.maxlen:
-            self.history = collections.deque(self.history, maxlen=history)
-
-    def saw_loss(self, outputs: Any) -> None:
-        """Remembers the loss being scaled, for the report's loss value, until the
-        iteration ends (the loop holds it that long anyway)."""
-        if isinstance(outputs, (list, tuple)):
-            outputs = outputs[0] if outputs else None
-        self._loss = outputs
-
-    def hook(self, params: list[Any]) -> Callable[[], None]:
-        """What a check runs if its verdict reads "overflow". Pure Python: a clean
-        check drops it unread."""
-        return lambda: self._report(params)
-
-    # -- the slow path: only after a check found an inf/NaN ---------------------------
-    def _names(self, backend: Any) -> dict[int, str]:
-        names: dict[int, str] = {}
-        traces = dict.fromkeys(_active + [r.trace for r in _records])
-        models = [ref() for ref in self._models] + [t.model for t in traces]
-        seen: set[int] = set()
-        for model in models:
-            if model is None or id(model) in seen:
-                continue
-            seen.add(id(model))
-            for name, p in backend.named_parameters(model):
-                names.setdefault(id(p), name)
-        return names
-
-    def _report(self, params: list[Any]) -> None:
-        # A diagnostic must not end a training run: a failure here becomes a warning.
-        try:
-            self._make_report(params)
-        except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"unified_amp: the overflow report failed ({type(exc).__name__}:"
-                          f" {exc}); the step was skipped as usual.", RuntimeWarning,
-                          stacklevel=_user_stacklevel())
-
-    def _make_report(self, params: list[Any]) -> None:
-        scaler = self._scaler()
-        if scaler is None:
-            return
-        backend = scaler._be()
-        with_grad = [p for p in params if p.grad is not None]
-        loss = self._loss
-        if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
-            loss = None
-        traced = bool(_active or _records)
-        records = list(_records) if traced else []
-        # The one host read of the report (the verdict before it was the step's own).
-        counts, loss_value, finite = backend.read_overflow(
-            [p.grad for p in with_grad], loss, [r.flag for r in records])
-        names = self._names(backend)
-        bad = []
-        for i, (p, (n_inf, n_nan)) in enumerate(zip(with_grad, counts)):
-            if n_inf or n_nan:
-                name = names.get(id(p), f"param[{i}]")
-                bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
-                                       n_inf, n_nan))
-        bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
-        first, samples = _first_nonfinite(records, finite)
-        report = OverflowReport(
-            step=scaler._steps + 1, scale=scaler.get_scale(), loss=loss_value,
-            checked=len(with_grad), gradients=tuple(bad), traced=traced,
-            first_nonfinite=first, bad_samples=samples)
-        self.last = report
-        if self.history.maxlen:
-            self.history.append(report)
-
-    # -- after each counted update ---------------------------------------------------
-    def counted(self, skipped: bool, scale: float, step: int) -> None:
-        """Follows runs of skipped steps; warns once per run that goes on too long."""
-        if not skipped:
-            self._run, self._warned = 0, False
-            return
-        self._run += 1
-        long_run = self._run >= self.warn_after
-        # One skip below the floor is no collapse (a scale that starts low backs off
-        # once); two in a row are.
-        collapsed = self._run >= 2 and scale < self.warn_below
-        if self._warned or not (long_run or collapsed):
-            return
-        self._warned = True
-        first = step - self._run + 1
-        floor = f", below warn_below={self.warn_below:g}" if collapsed else ""
-        last = f" Last: {self.last.line()}" if self.last is not None else ""
-        warnings.warn(OverflowWarning(
-            f"unified_amp: {self._run} step{'s' if self._run > 1 else ''} in a row (steps"
-            f" {first}-{step}) skipped for inf/NaN gradients; loss scale now"
-            f" {scale:g}{floor}: training is not progressing.{last}"),
-            stacklevel=_user_stacklevel())
-
-    def end_iteration(self) -> None:
-        self._loss = None
-        _clear_records()
-
-    def history_dicts(self) -> list[dict[str, Any]]:
-        return [r.as_dict() for r in self.history]

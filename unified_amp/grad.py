@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import distributed
+from . import _tracing, distributed
 from ._registry import get_backend
 from ._targets import params_of
+from .interface import DataParallelHooks, capability
 
 __all__ = ["GradManager", "clip_grad_norm"]
 
@@ -79,6 +80,7 @@ class GradManager:
         """
         callbacks = _callbacks(callbacks)
         given = params_of(params, self._backend, "GradManager.attach()")
+        distributed.note_module(self._backend, params)
         known = {id(p) for p in self._params}
         self._params.extend(p for p in given if id(p) not in known)
         self._tape.attach(given, callbacks)
@@ -192,6 +194,10 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
     Uses the framework's own clipping (``torch.nn.utils.clip_grad_norm_``,
     ``megengine.optimizer.clip_grad_norm``), so results match theirs bit for bit. In
     manual mode call it after ``scaler.unscale(...)``, so it sees true-scale gradients.
+
+    Raises:
+        UnsupportedTraceError: inside ``megengine.jit.trace``, where the norm cannot be
+            read back as a number; clip with the framework's own function there.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
         math.isfinite(max_norm) and max_norm > 0
@@ -207,10 +213,14 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
             f" got {norm_type!r}."
         )
     backend = get_backend()
+    if _tracing.mode(backend) is not None:
+        raise _tracing.refuse(backend, "amp.clip_grad_norm()", "clip")
     params = params_of(target, backend, "clip_grad_norm()")
+    distributed.note_module(backend, target)
     if backend.is_module(target):
-        own = getattr(backend, "module_clip_grad_norm", None)
-        norm = None if own is None else own(target, float(max_norm), float(norm_type))
+        hooks = capability(backend, DataParallelHooks)
+        norm = None if hooks is None else hooks.module_clip_grad_norm(
+            target, float(max_norm), float(norm_type))
         if norm is not None:
             return norm
     if distributed.sharded_params(backend, params):

@@ -47,12 +47,13 @@ from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from ._ledger import Check, GradLedger
 from ._registry import get_backend
 from ._scale_rule import check_factors, f32, next_scale
-from ._scaler_state import _Stage
+from ._scaler_state import AdapterView, _Stage
 from ._scaler_surface import ScalerSurface
 from ._targets import _short, is_optimizer, params_of
-from .forensics import Forensics
+from ._scaler_forensics import Forensics
+from .interface import BackwardHooks, NativeScalerClass, capability
 
-__all__ = ["GradScaler", "next_scale"]
+__all__ = ["GradScaler", "AdapterView", "next_scale"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,9 +117,9 @@ class GradScaler(ScalerSurface):
         if cls is GradScaler:
             # The adapter may name a subclass that is also its framework's own scaler
             # class (torch.amp.GradScaler), so that isinstance checks in runners pass.
-            choose = getattr(get_backend(), "scaler_class", None)
-            if choose is not None:
-                cls = choose(device_of_call(args, kwargs))
+            native = capability(get_backend(), NativeScalerClass)
+            if native is not None:
+                cls = native.scaler_class(device_of_call(args, kwargs))
         return super().__new__(cls)
 
     @overload
@@ -138,7 +139,7 @@ class GradScaler(ScalerSurface):
                        a["growth_interval"])
         if not isinstance(a["enabled"], bool):
             raise TypeError(f"GradScaler enabled must be a bool; got {a['enabled']!r}.")
-        self._backend: Any = None
+        self._backend = None
         self._enabled = a["enabled"]
         device = a["device"]
         if device is not None and not isinstance(device, str):
@@ -165,28 +166,31 @@ class GradScaler(ScalerSurface):
         self._last_step_skipped = False
         self._as_of_step = 0  # the step the telemetry describes (lags only in device mode)
         self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
+        self._trace_copy: Any = None  # its copy of the scale for traced steps (_tracing.py)
         self._ledger = GradLedger()
         self._param_lists = weakref.WeakKeyDictionary()
         self._updated_by_backward = False  # the last update() was backward()'s own
-        self._forensics = Forensics(self)  # overflow reports (forensics.py)
+        self._forensics = Forensics(self, self._enabled)  # overflow reports (forensics.py)
         # optimizer id -> the checks behind its last step after backward()'s update()
         self._tail: dict[int, list[Check]] = {}
         self._new_iteration()
+        self._mirror()
 
     # -- loss scaling -------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or a list/tuple of tensors) times the current scale."""
         if not self._enabled:
             return outputs
+        self._traced("GradScaler.scale()")
         self._forensics.saw_loss(outputs)
         backend = self._be()
-        watch = getattr(backend, "watch_backward", None)
+        hooks = capability(backend, BackwardHooks)
 
         def apply(val: Any, where: str) -> Any:
             if backend.is_tensor(val):
                 out = self._dev.scale(val) if self._dev is not None else backend.scale(
                     val, self._scale_value)
-                if watch is not None and watch(out, self._on_scaled_backward):
+                if hooks is not None and hooks.watch_backward(out, self._on_scaled_backward):
                     self._handed_watched = True
                 else:
                     self._handed_blind = True
@@ -231,6 +235,9 @@ class GradScaler(ScalerSurface):
         if not self._enabled:
             gm.backward(y, dy)
             return
+        if unscale_grad:
+            self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
+        self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
         ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
         if dy is None:
             dys = None
@@ -275,6 +282,7 @@ class GradScaler(ScalerSurface):
             ValueError: a gradient is float16.
         """
         if self._enabled:
+            self._refuse_in_trace("GradScaler.unscale()", "unscale")
             self._unscale(target, "unscale()", drop=True)
         return self
 
@@ -289,6 +297,7 @@ class GradScaler(ScalerSurface):
             RuntimeError: as ``unscale()``.
         """
         if self._enabled:
+            self._traced("GradScaler.unscale_()")
             self._unscale(optimizer, "unscale_()", drop=False)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -333,7 +342,10 @@ class GradScaler(ScalerSurface):
             result = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
             state.stage = _Stage.STEPPED
             return result
-        on_device = self._steps_on_device(optimizer)
+        # A fused optimizer skips on the device by itself; inside a trace the adapter's
+        # device scale skips for any optimizer (_tracing.py).
+        fused = self._steps_on_device(optimizer)
+        on_device = fused or self._traced("GradScaler.step()")
         params = self._params_of_optimizer(optimizer)
         pending, grads, done, idle = self._split(params)
         if state.stage is _Stage.READY and not pending and done and not any(
@@ -355,7 +367,7 @@ class GradScaler(ScalerSurface):
             distributed.require_synced(self._be(), pending, "GradScaler.step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = on_device and not done and unscale
+            fused_unscale = fused and not done and unscale
             check = self._check(pending, grads=grads, idle=idle,
                                 agreement=agreement or False,
                                 unscale=unscale and not fused_unscale, read=False,
@@ -364,7 +376,7 @@ class GradScaler(ScalerSurface):
                 # held until update(), which torch.amp's loop calls next
                 self._ledger.record(pending, grads, check, weak=False)
             checks.append(check)
-        if not checks and not on_device:
+        if not checks and not fused:
             raise RuntimeError(
                 "No inf checks were recorded for this optimizer: none of its parameters"
                 " has a gradient. Run the scaled backward pass before"
@@ -390,5 +402,8 @@ class GradScaler(ScalerSurface):
         """
         if not self._enabled:
             return
+        if new_scale is not None:
+            self._refuse_in_trace("GradScaler.update(new_scale=...)", "write")
+        self._traced("GradScaler.update()")
         self._update(new_scale)
         self._ledger.new_iteration()

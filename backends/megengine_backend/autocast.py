@@ -21,8 +21,10 @@ from megengine.core._imperative_rt.core2 import (
 )
 from megengine.core.tensor import amp as _amp_state
 
+from unified_amp import interface
 from unified_amp.errors import UnsupportedPrecisionError
 
+from .basics import dtype_name
 from .basics import is_low as _is_low
 from .basics import on_cpu as _on_cpu
 
@@ -145,7 +147,7 @@ def _restore_autocast(saved: tuple) -> None:
     _config._reset_execution_config(*configs)
 
 
-class Autocasting:
+class Autocasting(interface.Autocasting):
     """Switching autocast on and off, and which precisions a device computes."""
 
     def check_precision(self, dtype: str | None, device: str | None) -> None:
@@ -180,3 +182,8 @@ class Autocasting:
 
     def is_autocast_enabled(self) -> bool:
         return bool(_amp_state._enabled)
+
+    def autocast_low_dtype(self, device: str) -> str | None:
+        if not _amp_state._enabled:  # one process-wide state for every device
+            return None
+        return dtype_name(_get_amp_low_prec_dtype())

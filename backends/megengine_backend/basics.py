@@ -9,6 +9,8 @@ import numpy as np
 import megengine
 from megengine.core.tensor.dtype import is_bfloat16
 
+from unified_amp import interface
+
 LOW = (np.dtype("float16"),)
 
 
@@ -33,7 +35,7 @@ def dtype_name(dtype: Any) -> str | None:
     return "bfloat16" if is_bfloat16(dt) else dt.name
 
 
-class Basics:
+class Basics(interface.Basics):
     """Devices and dtypes."""
 
     def cuda_available(self) -> bool:

@@ -1,10 +1,201 @@
-"""No device-resident scale on MegEngine.
+"""The scale on the device for MegEngine, so that a step runs inside ``megengine.jit.trace``.
 
-torch keeps the scale in a device tensor for optimizers that skip a step on the device
-by themselves (its ``fused=True`` Adam, AdamW and SGD read ``grad_scale`` and
-``found_inf``; backends/torch_backend/device_scale.py). No MegEngine 1.13 optimizer
-does: every step is decided on the host, with the one flag read per step. So
-``MegEngineBackend`` provides no ``DeviceResident`` capability and the scaler keeps its
-scale as a Python float. The module is here so that both adapter packages have the same
-module names.
+No MegEngine 1.13 optimizer skips a step on the device by itself (torch's fused ones
+do: backends/torch_backend/device_scale.py), so eagerly every step is decided on the
+host, with the one flag read per step, and there is no ``steps_on_device``. A traced
+step is the exception.
+
+A trace records the step's ops once and replays them; a host read of a traced value
+cannot be replayed (MegEngine raises "data unreadable" or crashes). So inside a trace
+the scaler keeps the scale, the growth tracker and the telemetry in tensors that live
+outside the trace (as parameters do: ops inside the trace rewrite them), and decides
+everything with device ops: the check is MegEngine's fused kernel, the skip selects
+each parameter's and optimizer state's old value where an overflow was found (a select,
+not a multiply, so an inf/NaN update never leaks through), and the scale follows
+``next_scale``'s rule with ``where``. Every op runs whatever the values, so each call
+replays the same op sequence.
+
+Bit for bit the same as the host path: the unscale multiplies by the float32
+reciprocal (the one float32 division is correctly rounded, as the host's float64
+reciprocal rounded to float32 is, since 53 >= 2*24+2 bits), the kernel checks each
+gradient before scaling it, as here, and the scale's products are exact in float32 for
+factors that float32 holds exactly (the core refuses the others inside a trace).
 """
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+import megengine
+import megengine.functional as F
+from megengine.functional.math import _check_non_finite
+from megengine.jit import exclude_from_trace
+from megengine.jit import tracing as _tracing
+
+from unified_amp import interface
+
+
+def _f32_grads(grads: Sequence[Any]) -> None:
+    for g in grads:
+        if g.dtype != np.float32:
+            raise ValueError(
+                f"MegEngine's fused _check_non_finite checks float32 gradients only; got a"
+                f" {np.dtype(g.dtype).name} gradient of shape {tuple(g.shape)}. Keep"
+                f" parameters in float32 and let autocast cast the compute."
+            )
+
+
+class DeviceScale(interface.TracedScale):
+    """The scaler's scale, growth tracker, skipped-step count and last verdict as
+    MegEngine tensors, with the step's check, skip and scale update as device ops."""
+
+    def __init__(self, scale: float, tracker: int, skipped: int):
+        # The core makes this with the scaler, outside any trace: a tensor made part-way
+        # through a traced call breaks the next calls ("expect external node, got
+        # internal"). exclude_from_trace() only guards a call from inside one.
+        with exclude_from_trace():
+            self.scale_t = megengine.tensor(scale, dtype="float32")
+            self.tracker_t = megengine.tensor(tracker, dtype="int32")
+            self.skipped_t = megengine.tensor(skipped, dtype="int32")
+            self.last_t = megengine.tensor(0, dtype="int32")
+        self._steps = 0  # the update count the tensors describe
+        self._written = (scale, tracker, skipped)
+
+    def write(self, scale: float, tracker: int, skipped: int) -> None:
+        """Copies the host's values in (outside a trace), writing only what changed."""
+        old, self._written = self._written, (scale, tracker, skipped)
+        for t, dtype, before, now in zip((self.scale_t, self.tracker_t, self.skipped_t),
+                                         ("float32", "int32", "int32"), old,
+                                         self._written):
+            if before != now:
+                t._reset(megengine.tensor(now, dtype=dtype))
+
+    def scale(self, y: Any) -> Any:
+        return y * self.scale_t
+
+    def scaled_cotangents(self, ys: Sequence[Any], dys: Sequence[Any] | None) -> list[Any]:
+        if dys is None:
+            return [F.ones_like(y) * self.scale_t for y in ys]
+        return [dy * self.scale_t for dy in dys]
+
+    def check(self, grads: Sequence[Any]) -> list[Any]:
+        """The overflow flag of ``grads`` as they are (one fused kernel)."""
+        _f32_grads(grads)
+        # The kernel rewrites its inputs with its outputs (times 1.0 here: the same values).
+        return [_check_non_finite(list(grads), 1.0)]
+
+    def unscale_and_check(self, grads: Sequence[Any]) -> list[Any]:
+        # The flag first: the kernel judges each gradient before it scales it, so a
+        # finite gradient that the unscale turns into inf passes, as on the host path.
+        flag = self.check(grads)
+        inv = 1.0 / self.scale_t
+        for g in grads:
+            g._reset(g * inv)
+        return flag
+
+    def rescale(self, grads: Sequence[Any]) -> None:
+        for g in grads:  # as unscale_and_check, by the scale instead of its reciprocal
+            g._reset(g * self.scale_t)
+
+    @staticmethod
+    def _found(flags: Sequence[Any], found_host: bool = False) -> Any:
+        total = None
+        for flag in flags:
+            for f in flag:
+                total = f if total is None else total + f
+        if total is None:  # nothing checked on the device
+            return megengine.tensor(found_host)
+        return (total + 1 > 0) if found_host else total > 0
+
+    def step(self, optimizer: Any, unscale: bool, flags: Sequence[Any],
+             args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        found = self._found(flags)
+        params = [p for g in optimizer.param_groups for p in g["params"]
+                  if p.grad is not None]
+        if unscale:
+            inv = 1.0 / self.scale_t
+            for p in params:
+                p.grad = p.grad * inv
+        # What the step may rewrite: the parameters and their optimizer state. detach()
+        # keeps the old values: MegEngine's in-place ops rebind the tensor objects.
+        state = optimizer._state
+        live = params + [t for p in params for t in state.get(p, {}).values()
+                         if isinstance(t, megengine.Tensor)]
+        old = [t.detach() for t in live]
+        result = optimizer.step(*args, **kwargs)
+        for t, before in zip(live, old):
+            t._reset(F.where(found, before, t))
+        return result
+
+    def update(self, found_host: bool, flags: Sequence[Any], growth: float,
+               backoff: float, interval: int, *, steps: int, count: bool,
+               new_scale: float | None) -> None:
+        found = self._found(flags, found_host)
+        if new_scale is not None:
+            self.scale_t._reset(megengine.tensor(new_scale, dtype="float32"))
+        else:
+            zero = F.zeros_like(self.tracker_t)
+            tracker = F.where(found, zero, self.tracker_t + 1)
+            grow = tracker == interval
+            grown = self.scale_t * growth
+            grown = F.where(F.isinf(grown), self.scale_t, grown)  # never past float32
+            scale = F.where(found, self.scale_t * backoff,
+                            F.where(grow, grown, self.scale_t))
+            self.tracker_t._reset(F.where(grow, zero, tracker))
+            self.scale_t._reset(scale)
+        found_i = found.astype("int32")
+        if count:
+            self.skipped_t._reset(self.skipped_t + found_i)
+        self.last_t._reset(found_i)
+        self._steps = steps
+
+    def poll(self) -> tuple[int, float, int, int, bool]:
+        """The telemetry (a host read: call it outside a trace only)."""
+        values = F.stack([self.scale_t, self.tracker_t.astype("float32"),
+                          self.skipped_t.astype("float32"),
+                          self.last_t.astype("float32")]).numpy()
+        scale, tracker, skipped, last = (float(v) for v in values)
+        return self._steps, scale, int(tracker), int(skipped), bool(last)
+
+    def read(self) -> tuple[float, int]:
+        return float(self.scale_t.item()), int(self.tracker_t.item())
+
+    def load(self, scale: float, tracker: int | None) -> None:
+        self.scale_t._reset(megengine.tensor(scale, dtype="float32"))
+        if tracker is not None:
+            self.tracker_t._reset(megengine.tensor(tracker, dtype="int32"))
+
+
+class TracedSteps(interface.Tracing):
+    """Whether a ``megengine.jit.trace`` is running, and the scale that lives on the
+    device for it (unified_amp/_tracing.py has the policy)."""
+
+    trace_name = "megengine.jit.trace"
+
+    def trace_mode(self) -> str | None:
+        """None outside ``megengine.jit.trace`` (and inside its exclude_from_trace());
+        "rerun" where the trace runs the Python function on every call; "once" where it
+        runs it once and replays the graph alone (``without_host=True``)."""
+        if not _tracing.is_tracing():
+            return None
+        return "once" if getattr(_tracing.active_trace, "without_host", False) else "rerun"
+
+    def trace_refusal(self) -> str | None:
+        """Why a step traced now cannot train as the eager one, or None."""
+        if int(os.getenv("MEGENGINE_INPLACE_UPDATE", "0")):
+            # Measured: a plain SGD step (no amp) traced in this mode already ends with
+            # other weights than eagerly, and symbolic=True fails MegEngine's assertion
+            # `src.valid()`; the optimizers' _inplace_add_ also writes into the
+            # buffers the skip would restore from.
+            return ("MEGENGINE_INPLACE_UPDATE=1 makes MegEngine's optimizers update in"
+                    " place, and a step traced in that mode does not train as the eager"
+                    " one even without amp. Unset it for traced steps.")
+        return None
+
+    def device_scale(self, optimizer: Any, scale: float, tracker: int,
+                     skipped: int) -> DeviceScale:
+        # On the default device, where MegEngine's optimizers put their state too.
+        return DeviceScale(scale, tracker, skipped)

@@ -8,8 +8,10 @@ from typing import Any, Sequence
 import megengine
 import megengine.functional as F
 
+from unified_amp import interface
 
-class Collectives:
+
+class Collectives(interface.Collectives):
     """Process groups and the flag's MAX all-reduce.
 
     MegEngine's collectives run on GPUs with NCCL only (megengine.distributed rejects

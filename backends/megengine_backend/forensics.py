@@ -13,12 +13,14 @@ import numpy as np
 import megengine
 import megengine.functional as F
 
+from unified_amp import interface
+
 from .basics import is_low
 
 _SPLIT = 4096
 
 
-class ForensicsProbes:
+class ForensicsProbes(interface.ForensicsProbes):
     """What the core's forensics (unified_amp/forensics.py) reads from MegEngine."""
 
     def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:

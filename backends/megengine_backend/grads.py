@@ -9,6 +9,8 @@ import megengine
 from megengine.autodiff import GradManager as _NativeGradManager
 from megengine.optimizer import clip_grad_norm as _clip_grad_norm
 
+from unified_amp import interface
+
 
 class _Tape:
     """GradManager recording on MegEngine's own GradManager."""
@@ -31,7 +33,7 @@ class _Tape:
         self.gm.backward(list(ys), None if dys is None else list(dys))
 
 
-class Gradients:
+class Gradients(interface.Gradients):
     """A tape per GradManager, the gradients of parameters, and MegEngine's own clip."""
 
     def new_tape(self) -> _Tape:

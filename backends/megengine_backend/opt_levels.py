@@ -13,6 +13,8 @@ import megengine.module.batchnorm as _mbn
 from megengine.core.tensor.dtype import bfloat16
 from megengine.module import Module as _Module
 
+from unified_amp import interface
+
 from .basics import dtype_name, on_cpu
 
 
@@ -22,7 +24,7 @@ def cast(tensor: Any, dtype: str) -> Any:
     return tensor.astype(bfloat16 if dtype == "bfloat16" else dtype)
 
 
-class OptLevelCasting:
+class OptLevelCasting(interface.OptLevelCasting):
     """Casting modules and tensors, master copies, and moving gradients between them.
 
     MegEngine has no multi-tensor kernels (its own optimizers loop over parameters in
@@ -41,9 +43,11 @@ class OptLevelCasting:
     def cast(self, tensor: Any, dtype: str) -> Any:
         return cast(tensor, dtype)
 
-    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool) -> None:
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
+        left = {id(m) for s in skip for m in s.modules()}  # amp.keep_float32's modules
         for sub in module.modules():
-            if keep_batchnorm_fp32 and isinstance(sub, _mbn._BatchNorm):
+            if id(sub) in left or (keep_batchnorm_fp32 and isinstance(sub, _mbn._BatchNorm)):
                 continue
             tensors = [t for _, t in sub.named_parameters(recursive=False)]
             tensors += [t for _, t in sub.named_buffers(recursive=False)]

@@ -11,10 +11,12 @@ import numpy as np
 import megengine.functional as F
 from megengine.functional.math import _check_non_finite
 
+from unified_amp import interface
+
 from .basics import dtype_name
 
 
-class LossScaling:
+class LossScaling(interface.LossScaling):
     """Multiplying by the scale as megengine.amp does, and the fused check."""
 
     def scale(self, y: Any, scale: float) -> Any:

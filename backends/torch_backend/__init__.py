@@ -8,7 +8,11 @@ and ``scaler`` (the ``torch.amp.GradScaler`` subclass). ``TorchBackend`` is thei
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from unified_amp import interface
 
 from .autocast import Autocasting
 from .basics import Basics
@@ -34,3 +38,13 @@ class TorchBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCasting,
         # block, not here: a drop-in user who only swaps GradScaler never gets them, so
         # plain torch.autocast keeps its exact dispatch path and speed.
         self._scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
+
+
+if TYPE_CHECKING:  # mypy holds the adapter to the interface (make typecheck)
+    _backend: interface.Backend = TorchBackend()
+    _versions: interface.GradVersions = TorchBackend()
+    _hooks: interface.BackwardHooks = TorchBackend()
+    _resident: interface.DeviceResident = TorchBackend()
+    _native: interface.NativeScalerClass = TorchBackend()
+    _collectives: interface.Collectives = TorchBackend()
+    _data_parallel: interface.DataParallelHooks = TorchBackend()

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from unified_amp import interface
 from unified_amp.errors import UnsupportedPrecisionError
 
 from .basics import DTYPES, LOW, default_dtype, devices
@@ -76,7 +77,7 @@ def _install_policy(device_type: str) -> None:
         _library.impl(name, _fp32_kernel(op, key), key)
 
 
-class Autocasting:
+class Autocasting(interface.Autocasting):
     """Switching autocast on and off, and which precisions a device computes."""
 
     def check_precision(self, dtype: str | None, device: str | None) -> None:
@@ -114,3 +115,8 @@ class Autocasting:
 
     def is_autocast_enabled(self) -> bool:
         return any(torch.is_autocast_enabled(dev) for dev in devices(None))
+
+    def autocast_low_dtype(self, device: str) -> str | None:
+        if not torch.is_autocast_enabled(device):
+            return None
+        return str(torch.get_autocast_dtype(device)).removeprefix("torch.")

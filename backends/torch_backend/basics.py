@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from unified_amp import interface
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 ALL_DTYPES = dict(DTYPES, float32=torch.float32)
 LOW = (torch.float16, torch.bfloat16)
@@ -24,7 +26,7 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if device == "cpu" else "float16"
 
 
-class Basics:
+class Basics(interface.Basics):
     """Devices and dtypes."""
 
     def cuda_available(self) -> bool:

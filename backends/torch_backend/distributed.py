@@ -8,6 +8,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from unified_amp import interface
+
 _DTensor: Any = None
 
 
@@ -21,7 +23,7 @@ def _dtensor_class() -> type:
     return _DTensor
 
 
-class Collectives:
+class Collectives(interface.Collectives, interface.DataParallelHooks):
     """Process groups, the flag's MAX all-reduce, and what DDP and FSDP expose."""
 
     def world_group(self) -> Any:

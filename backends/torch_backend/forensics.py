@@ -10,8 +10,10 @@ from typing import Any, Sequence
 
 import torch
 
+from unified_amp import interface
 
-class ForensicsProbes:
+
+class ForensicsProbes(interface.ForensicsProbes):
     """What the core's forensics (unified_amp/forensics.py) reads from torch."""
 
     def finite_flag(self, tensor: torch.Tensor, per_row: bool = False) -> Any:

@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
+from unified_amp import interface
+
 
 class _Tape:
     """GradManager recording on torch autograd, with MegEngine's semantics."""
@@ -82,7 +84,8 @@ class _Tape:
                 p.grad = new if old is None else old.add_(new)
 
 
-class Gradients:
+class Gradients(interface.Gradients, interface.GradVersions,
+                interface.BackwardHooks):
     """A tape per GradManager, the gradients of parameters, and torch's own clip."""
 
     def new_tape(self) -> _Tape:

@@ -10,12 +10,14 @@ from typing import Any, Sequence
 
 import torch
 
+from unified_amp import interface
+
 from .basics import ALL_DTYPES, default_dtype
 
 _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm
 
 
-class OptLevelCasting:
+class OptLevelCasting(interface.OptLevelCasting):
     """Casting modules and tensors, master copies, and moving gradients between them."""
 
     def is_module(self, obj: Any) -> bool:
@@ -31,11 +33,12 @@ class OptLevelCasting:
         return tensor.to(ALL_DTYPES[dtype])
 
     def cast_module(self, module: torch.nn.Module, dtype: str,
-                    keep_batchnorm_fp32: bool) -> None:
+                    keep_batchnorm_fp32: bool, skip: Sequence[Any] = ()) -> None:
         target = ALL_DTYPES[dtype]
+        left = {id(m) for s in skip for m in s.modules()}  # amp.keep_float32's modules
         with torch.no_grad():
             for sub in module.modules():
-                if keep_batchnorm_fp32 and isinstance(sub, _BATCH_NORM):
+                if id(sub) in left or (keep_batchnorm_fp32 and isinstance(sub, _BATCH_NORM)):
                     continue
                 # Through .data, as Module.to() does: each Parameter object stays the
                 # same, so the optimizers that hold it need no change.

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from unified_amp import scaler as _core
+from unified_amp import interface
+from unified_amp.scaler import GradScaler
 
+from .device_scale import TorchDeviceScale
 from .scaling import by_device, check_and_unscale_per_device
 
 
-class NativeScaler:
+class NativeScaler(interface.NativeScalerClass):
     """Which GradScaler subclass ``amp.GradScaler(...)`` makes on torch."""
 
     def scaler_class(self, device: str | None) -> type:
@@ -23,19 +25,29 @@ class NativeScaler:
         return TorchCudaGradScaler if cuda else TorchGradScaler
 
 
-class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
+# torch.amp's class declares _device as a str; the core's may be None (no device given).
+# torch.amp's methods that would read it are all the core's here.
+class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
     """``unified_amp.GradScaler`` on the torch backend; also a ``torch.amp.GradScaler``.
 
     All behaviour is the core's (torch.amp's ``__init__`` never runs). The private
     attributes below are the ones code in the wild reads from torch.amp's scaler
-    (docs/DROP_IN.md lists them); each is derived from the core's state on demand.
+    (docs/DROP_IN.md lists them); each is derived on demand from the core's state, read
+    through ``self.adapter_view`` only (the members the core declares for adapters:
+    unified_amp.scaler.AdapterView).
     """
 
+    def _device_scale(self) -> TorchDeviceScale | None:
+        # This adapter's device_scale() made it, so it is this adapter's class.
+        return cast("TorchDeviceScale | None", self.adapter_view.device_scale)
+
     def _torch_device(self) -> torch.device:
-        if self._dev is not None:
-            return self._dev.device
-        if self._device:
-            return torch.device(self._device)
+        dev = self._device_scale()
+        if dev is not None:
+            return dev.device
+        device = self.adapter_view.device
+        if device:
+            return torch.device(device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     # torch.amp's scaler keeps these as plain attributes; here they are read-only views
@@ -43,20 +55,25 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
     @property
     def _scale(self) -> torch.Tensor | None:  # type: ignore[override]
         """The scale as a float32 0-dim tensor (a copy, except in device mode)."""
-        if not self._enabled:
+        view = self.adapter_view
+        if not view.enabled:
             return None
-        if self._dev is not None:
-            return self._dev.scale_t
-        return torch.full((), self._scale_value, dtype=torch.float32,
+        dev = self._device_scale()
+        if dev is not None:
+            return dev.scale_t
+        return torch.full((), view.host_scale()[0], dtype=torch.float32,
                           device=self._torch_device())
 
     @property
     def _growth_tracker(self) -> torch.Tensor | None:  # type: ignore[override]
-        if not self._enabled:
+        view = self.adapter_view
+        if not view.enabled:
             return None
-        if self._dev is not None:
-            return self._dev.tracker_t
-        return torch.full((), self._tracker, dtype=torch.int32, device=self._torch_device())
+        dev = self._device_scale()
+        if dev is not None:
+            return dev.tracker_t
+        return torch.full((), view.host_scale()[1], dtype=torch.int32,
+                          device=self._torch_device())
 
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
@@ -67,12 +84,11 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
     # wherever torch.amp's have not yet been overtaken by its tensors.
     @property
     def _init_scale(self) -> float:
-        self._sync_from_device()
-        return self._scale_value
+        return self.get_scale()
 
     @_init_scale.setter
     def _init_scale(self, value: float) -> None:
-        self._set_scale(self._valid_scale(value, "_init_scale"))
+        self.scale_factor = value  # validated; sets the device copy too
 
     @property
     def _init_growth_tracker(self) -> int:
@@ -80,17 +96,14 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
 
     @_init_growth_tracker.setter
     def _init_growth_tracker(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"GradScaler _init_growth_tracker must be an int >= 0;"
-                             f" got {value!r}.")
-        self._sync_from_device()
-        self._tracker = value
-        if self._dev is not None:
-            self._dev.load(self._scale_value, value)
+        state = self.state_dict()
+        if state:  # (disabled: nothing to set, as every other setting)
+            self.load_state_dict(dict(state, _growth_tracker=value))  # validated
 
     def _get_growth_tracker(self) -> int:
-        self._sync_from_device()
-        return self._tracker if self._enabled else 0
+        view = self.adapter_view
+        tracker = view.synced_scale()[1]
+        return tracker if view.enabled else 0
 
     def _flags_of(self, checks: Sequence[Any]) -> list[torch.Tensor]:
         flags = []
@@ -105,28 +118,23 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
     # mirror, keys them by torch.device.
     def _found_inf_per_device(  # type: ignore[override]
             self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
-        state = self._opt_states.get(id(optimizer))
-        return by_device(self._flags_of(state.checks if state is not None else []))
+        return by_device(self._flags_of(self.adapter_view.checks_of(optimizer)))
 
     def _check_inf_per_device(  # type: ignore[override]
             self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
         # What optimizers with the older step(grad_scaler=...) contract call: check
         # without unscaling (they unscale inside), counted by the next update().
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        check = self._check(params, unscale=False, read=False, allow_fp16=True)
-        self._opt_state(optimizer).checks.append(check)
+        self.adapter_view.check_only(optimizer)
         return self._found_inf_per_device(optimizer)
 
     @property
     def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:  # type: ignore[override]
         """A read-only snapshot in torch.amp's shape (writing to it changes nothing)."""
-        stages = {_core._Stage.READY: OptState.READY, _core._Stage.UNSCALED: OptState.UNSCALED,
-                  _core._Stage.STEPPED: OptState.STEPPED}
         snapshot: dict[int, dict[str, Any]] = defaultdict(
             lambda: {"stage": OptState.READY, "found_inf_per_device": {}})
-        for key, state in self._opt_states.items():
-            snapshot[key] = {"stage": stages[state.stage],
-                             "found_inf_per_device": by_device(self._flags_of(state.checks))}
+        for key, (stage, checks) in self.adapter_view.stages().items():
+            snapshot[key] = {"stage": OptState[stage],
+                             "found_inf_per_device": by_device(self._flags_of(checks))}
         return snapshot
 
     def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
@@ -153,7 +161,7 @@ class TorchGradScaler(_core.GradScaler, torch.amp.GradScaler):
                 for device, flag in found.items()}
 
 
-class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):
+class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):  # type: ignore[misc]
     """The same, made for CUDA: also a ``torch.cuda.amp.GradScaler`` (older runners
     check that class)."""
 

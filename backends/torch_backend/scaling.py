@@ -7,6 +7,8 @@ from typing import Any, Sequence
 
 import torch
 
+from unified_amp import interface
+
 
 def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any
                                  ) -> dict[torch.device, torch.Tensor]:
@@ -56,7 +58,7 @@ def by_device(flags: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]
     return per_device
 
 
-class LossScaling:
+class LossScaling(interface.LossScaling):
     """Multiplying by the scale as torch.amp does, and the fused check of the gradients."""
 
     _scale_cache: dict[torch.device, tuple[float, torch.Tensor]]

@@ -11,7 +11,7 @@ class Problem:
 
     def __init__(self, kit, device, seed=0, sizes=(8, 16, 4), n=16):
         self.kit, self.device = kit, device
-        self.params, self.forward = kit.mlp(sizes, device, seed)
+        self.params, self.forward = kit.mlp_params(sizes, device, seed)
         rng = np.random.RandomState(seed + 100)
         self.x = rng.randn(n, sizes[0]).astype(np.float32)
         self.y = rng.randint(0, sizes[-1], n).astype(np.int32)

@@ -19,7 +19,7 @@ DEFAULT_LOW = {("torch", "cpu"): "bfloat16", ("torch", "cuda"): "float16",
 def matmul_dtype(kit, device):
     out = kit.run_op("matmul", inputs(), device, "float16", "float32")
     assert np.all(np.isfinite(kit.numpy(out)))
-    return kit.dtype(out)
+    return kit.dtype_name(out)
 
 
 def test_applies_where_the_tensors_live_without_naming_the_device(kit, device):
@@ -86,12 +86,12 @@ def test_unsupported_precision_fails_on_entry_and_the_process_exits_cleanly(kit)
             with amp.autocast(dtype="bfloat16", device="cpu"):
                 out = kit.run_op("matmul", inputs(), "cpu", "bfloat16", "float32")
                 kit.numpy(out)
-            print("RAN", kit.dtype(out))
+            print("RAN", kit.dtype_name(out))
         except amp.UnsupportedPrecisionError as e:
             print("REFUSED", isinstance(e, RuntimeError))
         with amp.autocast(dtype="float16", device="cpu"):
             out = kit.run_op("matmul", inputs(), "cpu", "float16", "float32")
-        print("AFTER", kit.dtype(out), bool(np.isfinite(kit.numpy(out)).all()))
+        print("AFTER", kit.dtype_name(out), bool(np.isfinite(kit.numpy(out)).all()))
     """)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, UNIFIED_AMP_BACKEND=kit.name, PYTHONPATH=root)

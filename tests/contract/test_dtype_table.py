@@ -29,7 +29,7 @@ def test_output_dtype(kit, device, row, kind, low):
         return
     with block:
         out = kit.run_op(row, inp, device, low, kind)
-    assert kit.dtype(out) == expected(row, kind, low)
+    assert kit.dtype_name(out) == expected(row, kind, low)
     assert np.all(np.isfinite(kit.numpy(out)))
 
 
@@ -63,17 +63,17 @@ def test_module_spellings_follow_the_same_rows(kit, device, row, low):
         return
     with amp.autocast(dtype=low, device=device):
         out = kit.run_module(row, inputs(), device, low)
-    assert kit.dtype(out) == expected(row, "low", low)
+    assert kit.dtype_name(out) == expected(row, "low", low)
     assert np.all(np.isfinite(kit.numpy(out)))
 
 
 @pytest.mark.parametrize("row", [r for r, _ in ROWS])
 def test_outside_autocast_float32_inputs_stay_float32(kit, device, row):
     # float32 data (or, for the add row, float16 + float32 promoting to float32)
-    assert kit.dtype(kit.run_op(row, inputs(), device, "float16", input_kinds(row)[0])) \
+    assert kit.dtype_name(kit.run_op(row, inputs(), device, "float16", input_kinds(row)[0])) \
         == "float32"
     # the contract's wrappers are inert outside a unified block: softmax keeps float16
-    assert kit.dtype(kit.run_op("softmax", inputs(), device, "float16", "low")) == "float16"
+    assert kit.dtype_name(kit.run_op("softmax", inputs(), device, "float16", "low")) == "float16"
 
 
 def test_disabled_block_inside_enabled_block_computes_in_float32(kit, device):
@@ -83,7 +83,7 @@ def test_disabled_block_inside_enabled_block_computes_in_float32(kit, device):
         out = kit.run_op(row, inp, device, "float16", "float32")
         # Reading the values makes an asynchronous kernel failure surface here.
         assert np.all(np.isfinite(kit.numpy(out)))
-        return kit.dtype(out)
+        return kit.dtype_name(out)
 
     with amp.autocast(dtype="float16", device=device):
         assert dtype_of("matmul") == "float16"

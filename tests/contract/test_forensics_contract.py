@@ -63,14 +63,16 @@ EXPECTED = {  # (case, traced): report.as_dict() without its line
         bad_samples=[], cause="backward"),
     ("float16", True): dict(
         loss=math.inf, gradients=grads("inf", *ALL), bad_samples=[],
-        first_nonfinite={"module": "1", "type": "Linear", "dtype": "float16"},
+        first_nonfinite={"module": "1", "type": "Linear", "dtype": "float16",
+                         "pin": "model[1]"},
         cause="forward-float16"),
     ("float16", False): dict(
         loss=math.inf, gradients=grads("inf", *ALL), first_nonfinite=None,
         bad_samples=[], cause="forward"),
     ("nan-sample", True): dict(
         loss=math.nan, gradients=grads("nan", *ALL), bad_samples=[2],
-        first_nonfinite={"module": "0", "type": "Linear", "dtype": "float16"},
+        first_nonfinite={"module": "0", "type": "Linear", "dtype": "float16",
+                         "pin": "model[0]"},
         cause="input"),
 }
 LINES = {
@@ -83,8 +85,8 @@ LINES = {
         "unified_amp: step 1 skipped (scale 1024, loss inf): inf/NaN gradients in 6 of 6"
         " parameters: 0.bias (4 inf of 4), 0.weight (16 inf of 16), 1.bias (4 inf of 4),"
         " 1.weight (16 inf of 16), 2.bias (1 inf of 1) and 1 more; first non-finite"
-        " forward output: 1 (Linear, float16), a float16 overflow (|x| > 65504): run that"
-        " op in float32 (autocast(enabled=False)) or use bfloat16",
+        " forward output: 1 (Linear, float16), a float16 overflow (|x| > 65504): run it"
+        " in float32 with amp.keep_float32(model[1]) or use bfloat16",
     ("nan-sample", True):
         "unified_amp: step 1 skipped (scale 1024, loss nan): inf/NaN gradients in 6 of 6"
         " parameters: 0.bias (4 NaN of 4), 0.weight (16 NaN of 16), 1.bias (4 NaN of 4),"
@@ -144,7 +146,8 @@ def test_planted_overflows_give_the_same_report_on_every_backend(kit, device, ca
     line, loss = report.pop("line"), report.pop("loss")
     want = dict(EXPECTED[case, traced])
     want_loss = want.pop("loss")
-    assert report == dict(step=1, scale=1024.0, checked=6, traced=traced, **want)
+    assert report == dict(step=1, scale=1024.0, checked=6, traced=traced,
+                          forward_in_trace=False, **want)
     assert loss == want_loss or (math.isnan(loss) and math.isnan(want_loss))
     if (case, traced) in LINES:
         assert line == LINES[case, traced]

@@ -72,17 +72,17 @@ def test_dtypes_of_each_opt_level_are_the_documented_ones(kit, device, level, lo
     model, fc1_w = net.model, net.model.fc1.weight
     masters = [m for m in amp.master_params(net.opt)
                if all(m is not p for p in net.original)]
-    got = {"weights": kit.dtype(fc1_w),
-           "batch norm weights": kit.dtype(kit.batch_norm_weight(model)),
-           "master weights": kit.dtype(masters[0]) if masters else "none"}
-    assert len({kit.dtype(m) for m in masters}) <= 1
+    got = {"weights": kit.dtype_name(fc1_w),
+           "batch norm weights": kit.dtype_name(kit.batch_norm_weight(model)),
+           "master weights": kit.dtype_name(masters[0]) if masters else "none"}
+    assert len({kit.dtype_name(m) for m in masters}) <= 1
     with net.gm:
         out, loss = net.loss()
-        got["model output"] = kit.dtype(out)
+        got["model output"] = kit.dtype_name(out)
         with amp.scale_loss(loss, net.opt) as scaled:
             net.gm.backward(scaled)
-            got["weight gradients"] = kit.dtype(fc1_w.grad)
-        got["gradients the optimizer uses"] = kit.dtype(net.stepped(fc1_w).grad)
+            got["weight gradients"] = kit.dtype_name(fc1_w.grad)
+        got["gradients the optimizer uses"] = kit.dtype_name(net.stepped(fc1_w).grad)
     net.opt.step()
     got.update({k: v for k, v in model.seen.items()})
     props, scaler = amp.opt_properties(), amp.loss_scaler()

@@ -232,7 +232,7 @@ def test_scaled_loss_and_fp16_gradients(kit, device):
     gm = amp.GradManager([h])
     with gm:
         gm.backward(scaler.scale(kit.total(kit.mul(h, kit.tensor([2.0], device, "float16")))))
-    assert kit.dtype(h.grad) == "float16"
+    assert kit.dtype_name(h.grad) == "float16"
     with pytest.raises(ValueError, match="FP16 gradients"):
         scaler.unscale(gm)
 

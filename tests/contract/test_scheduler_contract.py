@@ -14,7 +14,7 @@ def test_scheduler_follows_the_optimizer_through_a_planted_overflow(kit, device,
     p = Problem(kit, device)
     gm = amp.GradManager(p.params)
     opt = kit.sgd(p.params, lr=0.1)
-    sched = kit.multistep_lr(opt, milestones=list(range(1, 10)), gamma=0.5)
+    sched = kit.lr_milestones(opt, milestones=list(range(1, 10)), gamma=0.5)
     scaler = amp.GradScaler(init_scale=2.0**10)
     lrs = []
     for i in range(6):

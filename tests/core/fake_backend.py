@@ -9,7 +9,9 @@ import collections
 import math
 import struct
 import threading
+from typing import TYPE_CHECKING
 
+from unified_amp import interface
 from unified_amp.errors import UnsupportedPrecisionError
 
 
@@ -171,6 +173,11 @@ class FakeModule:
         for child in self._children:
             yield from child.modules()
 
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for i, child in enumerate(self._children):
+            yield from child.named_modules(f"{prefix}.{i}" if prefix else str(i))
+
     def forward(self, x):
         enabled, dtype = self.backend.autocast_state[-1]
         self.seen.append((x.dtype, dtype if enabled else None))
@@ -227,7 +234,7 @@ class _Tape:
                                          p.dtype)
 
 
-class FakeBackend:
+class FakeBackend(interface.Backend):
     name = "fake"
 
     def __init__(self):
@@ -338,8 +345,16 @@ class FakeBackend:
             return tensor
         return FakeTensor(round_to(tensor.values, dtype), dtype, deps=tensor.deps)
 
-    def cast_module(self, module, dtype, keep_batchnorm_fp32):
+    def autocast_low_dtype(self, device):
+        enabled, dtype = self.autocast_state[-1]
+        return (dtype or "float16") if enabled else None
+
+    def cast_module(self, module, dtype, keep_batchnorm_fp32, skip=()):
+        skipped = set()
         for sub in module.modules():
+            if id(sub) in skipped or any(sub is m for m in skip):
+                skipped.update(id(m) for m in sub.modules())
+                continue
             if keep_batchnorm_fp32 and sub.batch_norm:
                 continue
             for p in sub._params:
@@ -417,7 +432,8 @@ class _FakeWork:
         self.waited = True
 
 
-class DistributedFakeBackend(FakeBackend):
+class DistributedFakeBackend(FakeBackend, interface.Collectives,
+                             interface.DataParallelHooks):
     """The fake backend with the distributed primitives, for ranks run as threads.
 
     A tensor's ``kind`` attribute says what grad_kind() reports ("local", "sharded",
@@ -480,3 +496,10 @@ class DistributedFakeBackend(FakeBackend):
     def module_clip_grad_norm(self, module, max_norm, norm_type):
         own = getattr(module, "clip_grad_norm_", None)
         return None if own is None else own(max_norm, norm_type)
+
+
+if TYPE_CHECKING:  # mypy holds the fake to the same interface as the adapters
+    _backend: interface.Backend = FakeBackend()
+    _distributed: interface.Backend = DistributedFakeBackend()
+    _collectives: interface.Collectives = DistributedFakeBackend()
+    _data_parallel: interface.DataParallelHooks = DistributedFakeBackend()

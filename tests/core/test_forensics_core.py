@@ -1,6 +1,7 @@
 """Overflow forensics on the fake backend: what a report says, when it is made (only
 after an overflow), the once-per-run warning, and forward tracing's hooks."""
 
+import gc
 import json
 import math
 import pickle
@@ -9,7 +10,7 @@ import warnings
 import pytest
 
 import unified_amp as amp
-from unified_amp import forensics
+from unified_amp.pinning import pin_expression
 
 from ..spies import record_calls
 from .fake_backend import NamedModule, FakeOptimizer, FakeTensor
@@ -65,8 +66,8 @@ def test_report_names_the_nonfinite_gradients_of_a_watched_model(fake, net, form
     assert report.as_dict() == {
         "step": 2, "scale": 8.0, "loss": 0.25, "checked": 2,
         "gradients": [{"name": "head.weight", "shape": [1], "inf": 1, "nan": 0}],
-        "traced": False, "first_nonfinite": None, "bad_samples": [], "cause": "backward",
-        "line": report.line()}
+        "traced": False, "first_nonfinite": None, "bad_samples": [],
+        "forward_in_trace": False, "cause": "backward", "line": report.line()}
     assert str(report) == report.line() == (
         "unified_amp: step 2 skipped (scale 8, loss 0.25): inf/NaN gradients in 1 of 2"
         " parameters: head.weight (1 inf of 1); the loss was finite, so the scaled"
@@ -299,18 +300,52 @@ def test_the_line_says_what_to_do_about_a_float16_overflow(fake):
         "unified_amp: step 1 skipped (scale 4, loss inf): inf/NaN gradients in 2 of 2"
         " parameters: big.weight (1 inf of 1), small.weight (1 inf of 1); first"
         " non-finite forward output: big (NamedModule, float16), a float16 overflow"
-        " (|x| > 65504): run that op in float32 (autocast(enabled=False)) or use bfloat16")
+        " (|x| > 65504): run it in float32 with amp.keep_float32(model.big) or use"
+        " bfloat16")
+
+
+def test_the_fix_names_the_module_from_the_watched_model(fake):
+    """Traced at a submodule, watched as a whole: the pin is spelled from the watched
+    model, the way the user holds it; Sequential-style indices become subscripts."""
+    encoder = NamedModule(**{"0": NamedModule(scale=1.0, backend=fake),
+                             "layer3": NamedModule(scale=1e5, backend=fake)})
+    model = NamedModule(encoder=encoder, head=NamedModule(scale=1.0, backend=fake))
+    params = model.parameters()
+
+    def forward():
+        with amp.autocast(dtype="float16"):
+            model(FakeTensor([1.0]))
+
+    for watch, pin in ((True, "model.encoder.layer3"), (False, "model.layer3")):
+        scaler = amp.GradScaler()
+        if watch:
+            scaler.watch(model)
+        with amp.trace_forward(encoder):
+            step(scaler, params, FakeOptimizer(params), [[INF], [INF], [INF]],
+                 forward=forward)
+        first = scaler.last_overflow().first_nonfinite
+        assert (first.module, first.pin, first.fix) == (
+            "layer3", pin, f"amp.keep_float32({pin})")
+        assert f"run it in float32 with amp.keep_float32({pin})" in \
+            str(scaler.last_overflow())
+    assert pin_expression("layers.10.attn") == "model.layers[10].attn"
+    assert pin_expression("") == "model"
+    assert pin_expression("blocks.a-b") == "model.blocks['a-b']"
 
 
 def test_tracing_reads_nothing_on_a_clean_step_and_forgets_at_update(fake):
+    # A trace's flags are dropped once every live scaler has passed them: collect the
+    # earlier tests' scalers that wait in reference cycles (apex's, through patched
+    # models), so that this test's scaler is the only one.
+    gc.collect()
     model = model_of(fake, small=1.0, big=2.0)
     params = model.parameters()
     scaler = amp.GradScaler()
-    with amp.trace_forward(model):
+    with amp.trace_forward(model) as trace:
         for _ in range(3):
             step(scaler, params, FakeOptimizer(params), [[1.0], [1.0]],
                  forward=lambda: model(FakeTensor([1.0, 2.0])))
-            assert forensics._records == []  # update() cleared this step's flags
+            assert trace._records == []  # update() dropped this step's flags
     assert fake.flags_made == 3 * 4  # input + 3 module outputs, each step
     assert fake.forensic_reads == 0 and fake.syncs == 3
 

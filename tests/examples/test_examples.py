@@ -6,6 +6,7 @@ the examples train and use the API as they claim, not how well they train.
 
 import ast
 import functools
+import importlib
 import inspect
 import math
 import subprocess
@@ -83,6 +84,20 @@ def test_training_steps_are_written_once_in_framework_free_modules():
 def test_importing_the_examples_imports_no_framework():
     code = ("import sys, examples.cnn_classifier, examples.gan, examples.grad_accumulation,"
             " examples.fp32_baseline, examples.apex_style, examples.overflow\n"
+            "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_tests_and_benchmarks_build_on_the_examples_kit(fw):
+    """One construction kit: the contract tests' and the benchmarks' kits for this backend
+    are the examples' kit plus their own pieces, and what they write once for both
+    frameworks imports no framework."""
+    for package in ("tests.kits", "benchmarks"):
+        kit = importlib.import_module(f"{package}.{fw.name}_kit").Kit
+        assert issubclass(kit, frameworks.KITS[fw.name]), package
+    code = ("import sys, examples.frameworks, benchmarks.workloads, tests.kits.base\n"
             "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout

@@ -2,7 +2,9 @@
 
 The contract suite is written once against unified_amp's public API; what it cannot
 write generically -- making tensors, a small model, an optimizer, reading numbers back --
-comes from a kit with the same methods for each framework.
+comes from the construction kit the examples and benchmarks use too
+(``examples.frameworks``), plus the few test-only pieces here (``base.ContractKit`` and
+each framework's dtype-table ops).
 """
 
 import importlib

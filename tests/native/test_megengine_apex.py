@@ -11,14 +11,12 @@ import megengine.module as M
 import megengine.optimizer as optim
 
 import unified_amp as amp
-from unified_amp import opt_levels
 
 
 @pytest.fixture(autouse=True)
 def _megengine_backend():
     amp.set_backend("megengine")
     yield
-    opt_levels._state = None
 
 
 def conv_net():

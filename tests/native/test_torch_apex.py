@@ -10,14 +10,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import unified_amp as amp
-from unified_amp import opt_levels
 
 
 @pytest.fixture(autouse=True)
 def _torch_backend():
     amp.set_backend("torch")
     yield
-    opt_levels._state = None
 
 
 def generator(seed=0):

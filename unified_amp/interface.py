@@ -1,0 +1,404 @@
+"""The interface every framework adapter implements, one small Protocol per capability.
+
+The core (autocast, GradManager, GradScaler, the opt levels) is written once against
+these primitives; an adapter in ``backends/`` maps each one onto its framework's own
+kernels. Tensors, parameters, modules and optimizers pass through the core as opaque
+objects: the core reads ``optimizer.param_groups``, ``gm.attached_tensors()``,
+``module.parameters()`` and ``module.forward`` (both frameworks spell them the same way)
+and leaves everything numeric to the adapter.
+
+Every adapter provides :class:`Backend`: the six required capabilities (``Basics``,
+``Autocasting``, ``Gradients``, ``LossScaling``, ``OptLevelCasting``,
+``ForensicsProbes``). The optional ones (``GradVersions``, ``BackwardHooks``,
+``DeviceResident`` with its :class:`DeviceScale`, ``NativeScalerClass``,
+``Collectives``, ``DataParallelHooks``) the core asks for through :func:`capability`
+and copes without. Each adapter package declares its capability classes as subclasses
+of these Protocols and assigns its backend to ``Backend`` for the type checker, so
+``make typecheck`` fails when an adapter drifts from the interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
+
+# Names of the floating dtypes the core talks about. Adapters translate their own dtype
+# objects to and from these strings.
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+@runtime_checkable
+class Tape(Protocol):
+    """Records a forward pass for one GradManager and turns it into gradients."""
+
+    def attach(self, params: Sequence[Any], callbacks: Sequence[Any] = ()) -> None:
+        """Adds parameters whose gradients ``backward`` must produce (a parameter given
+        again is kept once) and appends ``callbacks`` to each one's list: MegEngine's
+        ``callback(param, grad) -> grad``, run on each new gradient before it is
+        accumulated into ``param.grad``."""
+
+    def record(self) -> None:
+        """Starts recording operations (entered by ``with gm:``)."""
+
+    def release(self) -> None:
+        """Stops recording and frees what was kept for the backward pass."""
+
+    def backward(self, ys: Sequence[Any], dys: Sequence[Any] | None) -> None:
+        """Accumulates d(sum dy*y)/d(param) into ``param.grad`` of every attached parameter."""
+
+
+# -- required capabilities ------------------------------------------------------------
+@runtime_checkable
+class Basics(Protocol):
+    """Framework basics: the adapter's name, devices and dtypes."""
+
+    name: str
+
+    def cuda_available(self) -> bool:
+        """Whether this framework sees a CUDA device."""
+
+    def dtype_name(self, dtype: Any) -> str | None:
+        """'float16', 'bfloat16', 'float32', ... for one of the framework's dtype objects,
+        or None if ``dtype`` is not one."""
+
+
+@runtime_checkable
+class Autocasting(Protocol):
+    """Switching autocast on and off, and which precisions a device computes."""
+
+    def check_precision(self, dtype: str | None, device: str | None) -> None:
+        """Raises UnsupportedPrecisionError if ``dtype`` cannot be computed on ``device``
+        (None: every device autocast would touch)."""
+
+    def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                       contract: bool = True) -> Any:
+        """Switches autocast on or off; returns a token that restores the outer state.
+        ``contract`` False leaves the framework's own op lists unchanged (no dtype
+        contract inside this block)."""
+
+    def exit_autocast(self, token: Any) -> None:
+        """Restores the state saved in ``token``."""
+
+    def is_autocast_enabled(self) -> bool:
+        """Whether autocast is on for the calling thread, on any device."""
+
+    def autocast_low_dtype(self, device: str) -> str | None:
+        """The low dtype autocast computes in on ``device`` right now ('float16',
+        'bfloat16'), or None where it is off (whoever turned it on: ``amp.autocast``
+        or the framework's own)."""
+
+
+@runtime_checkable
+class Gradients(Protocol):
+    """Recording for a GradManager, and reading, dropping and clipping gradients."""
+
+    def new_tape(self) -> Tape:
+        """A fresh recorder for an ``amp.GradManager``."""
+
+    def is_tensor(self, obj: Any) -> bool:
+        """Whether ``obj`` is one of the framework's tensors."""
+
+    def grads(self, params: Iterable[Any]) -> list[Any]:
+        """The gradients of ``params`` that are not None, in order."""
+
+    def drop_grads(self, params: Iterable[Any]) -> None:
+        """Sets ``param.grad`` to None, so that any optimizer step leaves the param alone."""
+
+    def clip_grad_norm(self, params: Sequence[Any], max_norm: float, norm_type: float) -> float:
+        """The framework's own clip-by-total-norm, in place; returns the norm before clipping."""
+
+
+@runtime_checkable
+class LossScaling(Protocol):
+    """Scaling by the loss scale, and the fused check-and-unscale with its flag."""
+
+    def scale(self, y: Any, scale: float) -> Any:
+        """``y`` times the loss scale, as the framework's own scaler would compute it."""
+
+    def scaled_cotangents(
+        self, ys: Sequence[Any], dys: Sequence[Any] | None, scale: float
+    ) -> list[Any]:
+        """The ``dy`` to feed a backward pass so that gradients come out scaled."""
+
+    def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
+        """Fused kernel: multiplies every gradient by ``inv_scale`` in place and returns a
+        device-side flag that is set if any gradient holds an inf or NaN. No host sync.
+        (The scaler also passes the scale itself, to bring gradients it unscaled back
+        to the scale before an automatic-mode backward accumulates into them.)"""
+
+    def flag_is_set(self, flag: Any) -> bool:
+        """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
+
+
+@runtime_checkable
+class OptLevelCasting(Protocol):
+    """What apex's opt levels need (amp.initialize; the policy is in opt_levels.py)."""
+
+    def is_module(self, obj: Any) -> bool:
+        """Whether ``obj`` is one of the framework's modules (it has ``parameters()``
+        and ``forward``)."""
+
+    def device_type(self, tensor: Any) -> str:
+        """'cpu' or 'cuda': where ``tensor`` lives."""
+
+    def default_low_dtype(self, device: str) -> str:
+        """The dtype ``autocast(dtype=None)`` computes on ``device``."""
+
+    def cast(self, tensor: Any, dtype: str) -> Any:
+        """``tensor`` in ``dtype`` ('float32', 'float16', 'bfloat16'), differentiable;
+        ``tensor`` itself if it has that dtype already."""
+
+    def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
+                    skip: Sequence[Any] = ()) -> None:
+        """Casts the floating parameters and buffers of ``module`` and its submodules to
+        ``dtype`` in place, keeping each parameter object (optimizers hold them); batch
+        norm layers are left in float32 if ``keep_batchnorm_fp32``; the modules in
+        ``skip`` (and everything inside them) are left alone."""
+
+    def low_precision_batch_norm(self, dtype: str) -> bool:
+        """Whether batch norm can hold ``dtype`` weights on this build."""
+
+    def steps_low_precision(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` can update low-precision parameters itself."""
+
+    def master_copy(self, param: Any) -> Any:
+        """A new float32 leaf parameter holding ``param``'s values, on its device."""
+
+    def optimizer_state(self, optimizer: Any) -> Any:
+        """The optimizer's per-parameter state: a mutable mapping keyed by parameter
+        (torch's ``optimizer.state``, MegEngine's ``optimizer._state``)."""
+
+    def take_grads(self, params: Sequence[Any]) -> list[Any]:
+        """Each parameter's gradient (or None), in order; leaves them all None."""
+
+    def restore_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        """Adds ``grads`` (from ``take_grads``; None entries skipped) into the params'
+        gradients, in place and fused where the framework can; sets those that are None."""
+
+    def grads_to_masters(self, params: Sequence[Any], masters: Sequence[Any]) -> None:
+        """Sets each master's gradient to its param's gradient cast to float32 (fused
+        where the framework can) and drops the param's; pairs without a gradient are
+        left alone."""
+
+    def copy_params(self, dst: Sequence[Any], src: Sequence[Any]) -> None:
+        """Copies ``src`` into ``dst`` in place, cast to each dst's dtype; fused where
+        the framework can."""
+
+    def skipped_step_result(self, optimizer: Any) -> Any:
+        """What ``optimizer.step()`` returns when amp skips it: what a real step returns
+        where that does not depend on the step (MegEngine: the optimizer, for chaining)."""
+
+
+@runtime_checkable
+class ForensicsProbes(Protocol):
+    """Overflow forensics (forensics.py): never called on a clean step. (It also uses
+    ``OptLevelCasting.is_module``.)"""
+
+    def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:
+        """A device-side flag: whether ``tensor`` is all finite (``per_row``: one flag
+        per index of its first dimension). No host sync; used by forward tracing."""
+
+    def read_overflow(self, grads: Sequence[Any], loss: Any, flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+        """Everything an overflow report needs from the device, in one host sync:
+        (inf elements, NaN elements) of each gradient; the value of ``loss`` (a
+        one-element tensor, or None for None); and each flag from ``finite_flag`` as a
+        list of bools (one element for a whole-tensor flag). Called only after a fused
+        check found an inf/NaN, or when a trace's flags are asked for."""
+
+    def named_modules(self, model: Any) -> list[tuple[str, Any]]:
+        """(dotted name, module) for ``model`` ("") and every submodule, each once."""
+
+    def named_parameters(self, model: Any) -> list[tuple[str, Any]]:
+        """(dotted name, parameter) for every parameter of ``model``."""
+
+    def add_forward_hook(self, module: Any, hook: Any, pre: bool = False) -> Any:
+        """Registers ``hook(module, inputs, outputs)`` to run after ``module``'s forward
+        (``pre``: ``hook(module, inputs)`` before it); returns a handle whose
+        ``remove()`` takes it off again."""
+
+
+@runtime_checkable
+class Backend(Basics, Autocasting, Gradients, LossScaling, OptLevelCasting, ForensicsProbes,
+              Protocol):
+    """What every framework adapter provides. One instance per process, made lazily."""
+
+
+# -- optional capabilities (asked for with capability(); the core copes without) -------
+@runtime_checkable
+class GradVersions(Protocol):
+    """A counter that every in-place write to a gradient bumps (torch's ``_version``):
+    it lets the scaler's ledger tell new gradient generations from old ones without a
+    new object."""
+
+    def grad_version(self, grad: Any) -> int:
+        """The gradient's version counter."""
+
+
+@runtime_checkable
+class BackwardHooks(Protocol):
+    """Seeing a backward pass go through a tensor (a ``scale()`` output)."""
+
+    def watch_backward(self, tensor: Any, callback: Any) -> bool:
+        """Arranges for ``callback()`` to run when a backward pass goes through
+        ``tensor``; False if it cannot."""
+
+
+class DeviceScale(Protocol):
+    """The scale and growth tracker kept in device tensors, for optimizers that skip a
+    step on the device by themselves; made by ``DeviceResident.device_scale``. Its
+    arithmetic is the framework's; when to call what stays the scaler's."""
+
+    def scale(self, y: Any) -> Any:
+        """``y`` times the device scale."""
+
+    def scaled_cotangents(self, ys: Sequence[Any], dys: Sequence[Any] | None) -> list[Any]:
+        """As ``LossScaling.scaled_cotangents``, by the device scale."""
+
+    def unscale_and_check(self, grads: Sequence[Any]) -> Any:
+        """The fused check-and-unscale by the device scale's reciprocal; a device flag."""
+
+    def check(self, grads: Sequence[Any]) -> Any:
+        """The fused check alone (the optimizer unscales inside its own kernel)."""
+
+    def rescale(self, grads: Sequence[Any]) -> Any:
+        """Multiplies ``grads`` by the device scale in place (gradients the scaler
+        unscaled, back to the scale before an automatic-mode backward adds to them)."""
+
+    def step(self, optimizer: Any, unscale: bool, flags: Sequence[Any],
+             args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Steps ``optimizer`` with the scale and the combined ``flags`` handed to it,
+        so that it unscales (if ``unscale``) and skips on the device."""
+
+    def update(self, found_host: bool, flags: Sequence[Any], growth: float,
+               backoff: float, interval: int, *, steps: int, count: bool,
+               new_scale: float | None) -> None:
+        """One ``update()`` on the device (or sets ``new_scale``); ``count`` says the
+        step counts in the telemetry."""
+
+    def poll(self) -> tuple[int, float, int, int, bool] | None:
+        """The newest telemetry that has reached the host (step, scale, tracker,
+        skipped steps, last step skipped), or None; never waits."""
+
+    def read(self) -> tuple[float, int]:
+        """The scale and tracker, read back (a sync)."""
+
+    def load(self, scale: float, tracker: int | None) -> None:
+        """Sets the scale (and the tracker unless None)."""
+
+
+@runtime_checkable
+class DeviceResident(Protocol):
+    """Optimizers that skip a step on the device by themselves (torch's fused ones)."""
+
+    def steps_on_device(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` takes ``grad_scale``/``found_inf`` and skips by itself."""
+
+    def device_scale(self, optimizer: Any, scale: float, tracker: int,
+                     skipped: int) -> DeviceScale:
+        """A device-resident scale for ``optimizer``'s device. GradScaler switches to it
+        the first time such an optimizer steps, so that its steps need no host sync."""
+
+
+class TracedScale(DeviceScale, Protocol):
+    """A device-resident scale a traced step can use: its ``step`` selects the old
+    parameters and optimizer state on an overflow, on the device."""
+
+    def write(self, scale: float, tracker: int, skipped: int) -> None:
+        """Copies the host's values in (outside a trace)."""
+
+
+@runtime_checkable
+class Tracing(Protocol):
+    """A framework's graph tracing (``megengine.jit.trace``), for a traced step that
+    trains as the eager one (unified_amp/_tracing.py)."""
+
+    trace_name: str  # how errors name the trace ("megengine.jit.trace")
+
+    def trace_mode(self) -> str | None:
+        """None outside a trace; "rerun" where the trace runs the Python function on
+        every call; "once" where it replays the graph alone."""
+
+    def trace_refusal(self) -> str | None:
+        """Why a step traced now could not train as the eager one (a framework
+        setting), or None."""
+
+    def device_scale(self, optimizer: Any, scale: float, tracker: int,
+                     skipped: int) -> TracedScale:
+        """The device copy of the scale that traced steps use (``optimizer`` None)."""
+
+
+@runtime_checkable
+class NativeScalerClass(Protocol):
+    """A GradScaler subclass that is also the framework's own scaler class."""
+
+    def scaler_class(self, device: str | None) -> type:
+        """The subclass of unified_amp.GradScaler that ``GradScaler(...)`` instantiates
+        (torch: one that is also a torch.amp.GradScaler)."""
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """Process groups and the flag's all-reduce, for cross-rank agreement
+    (unified_amp/distributed.py)."""
+
+    def world_group(self) -> Any:
+        """The default group if this process is one of several, else None."""
+
+    def check_group(self, group: Any) -> None:
+        """Raises TypeError/RuntimeError for a group this adapter cannot use."""
+
+    def grad_kind(self, param: Any) -> str:
+        """"local", "dtensor" (the framework agrees the fused check over its own mesh)
+        or "sharded" (a per-rank shard, with no agreement of its own)."""
+
+    def zero_grad_like(self, param: Any) -> Any:
+        """A zero gradient for ``param`` (a stand-in in the check)."""
+
+    def clean_flag(self, params: Sequence[Any], group: Any) -> Any:
+        """A flag that says "no inf", where ``group`` communicates."""
+
+    def all_reduce_max_async(self, flag: Any, group: Any) -> tuple[Any, Any]:
+        """Starts a MAX all-reduce of ``flag`` on the device, no host sync: the flag
+        and a handle with ``wait()``, or None."""
+
+
+@runtime_checkable
+class DataParallelHooks(Protocol):
+    """What data-parallel wrappers expose (DDP's ``no_sync()``, FSDP1's own clip)."""
+
+    def grad_sync_paused(self, module: Any) -> bool:
+        """Whether ``module`` is inside a ``no_sync()`` window."""
+
+    def module_clip_grad_norm(self, module: Any, max_norm: float,
+                              norm_type: float) -> float | None:
+        """The module's own clip-by-total-norm, or None where it has none."""
+
+
+_P = TypeVar("_P")
+_OPTIONAL = (GradVersions, BackwardHooks, DeviceResident, Tracing, NativeScalerClass,
+             Collectives, DataParallelHooks)
+# (adapter class, Protocol) -> whether the class provides the Protocol's methods. A fact
+# about classes, not state of any scaler: an adapter's capabilities are its methods.
+_provided: dict[tuple[type, type], bool] = {}
+
+
+def capability(backend: object, protocol: type[_P]) -> _P | None:
+    """``backend`` as ``protocol``, one of the optional capabilities, if its class
+    provides every method of it; else None.
+
+    Asked once per adapter class and capability (a runtime Protocol check costs tens of
+    microseconds; this is called several times per step).
+    """
+    key = (type(backend), protocol)
+    provided = _provided.get(key)
+    if provided is None:
+        if protocol not in _OPTIONAL:
+            raise TypeError(f"capability() takes one of the optional capabilities"
+                            f" {[p.__name__ for p in _OPTIONAL]}; got {protocol!r}.")
+        methods = [name for name, value in vars(protocol).items()
+                   if callable(value) and not name.startswith("_")]
+        data = vars(protocol).get("__annotations__", {})
+        provided = all(callable(getattr(type(backend), name, None)) for name in methods) \
+            and all(hasattr(type(backend), name) for name in data)
+        _provided[key] = provided
+    return backend if provided else None  # type: ignore[return-value]
