@@ -75,6 +75,7 @@ class ScalerState:
     # optimizer -> (the shape of its param_groups, its parameters), reused while the
     # groups stay the same lists: rebuilding it is a pass over every parameter
     _param_lists: "weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]]"
+    _tracing_known: tuple[Any, bool] | None = None  # (adapter, whether it has traces)
 
     @property
     def adapter_view(self) -> AdapterView:
@@ -124,6 +125,8 @@ class ScalerState:
         run there as it does eagerly. Inside one the scale lives on the device from
         then on, starting from the copy kept current until then."""
         backend = self._be()
+        if not self._can_trace():
+            return False  # (what enter() and mirror() answer for such an adapter)
         if not _tracing.enter(backend, what, (self._growth_factor, self._backoff_factor)):
             if self._dev is None and self._trace_copy is None:
                 self._mirror()  # after unpickling
@@ -131,6 +134,14 @@ class ScalerState:
         if self._dev is None:
             self._dev = _tracing.take_copy(backend, what, self._trace_copy)
         return True
+
+    def _can_trace(self) -> bool:
+        """Whether the adapter has traces at all; asked once (a step asks often)."""
+        backend = self._be()
+        known = self._tracing_known
+        if known is None or known[0] is not backend:
+            known = self._tracing_known = (backend, _tracing.supported(backend))
+        return known[1]
 
     def _refuse_in_trace(self, what: str, kind: str) -> None:
         """Raises if ``what``, a call that needs the host, runs inside a trace."""
@@ -140,7 +151,7 @@ class ScalerState:
     def _mirror(self) -> None:
         """Brings the adapter's trace copy of the scale up to date with the host's (a
         trace can only use device state that is right when it starts)."""
-        if self._enabled and self._dev is None:
+        if self._enabled and self._dev is None and self._can_trace():
             self._trace_copy = _tracing.mirror(self._be(), self._trace_copy,
                                                self._scale_value, self._tracker,
                                                self._skipped_steps)
