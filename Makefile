@@ -3,6 +3,10 @@
 #                              and mypy (unified_amp/, backends/, the fake backend)
 #   make test BACKENDS=torch   one backend only (torch needs no CPython 3.10 and no MegEngine)
 #   make test-oldest           the suite on the oldest supported torch (a ~2.5 GB CUDA build)
+#   make test-integrations     tests/integrations: the runners (Lightning, Fabric, ignite,
+#                              Enchanter, accelerate; basecore on MegEngine) trained with
+#                              their framework's scaler and with unified_amp's, in
+#                              environments of their own (BACKENDS=torch: one of them)
 #   make demo                  fp32 vs AMP on scikit-learn's digits, on $UNIFIED_AMP_BACKEND
 #                              (default torch); writes demo-output/<backend>-curves.png
 #                              (DEMO_ARGS="--plant overflow" plants an overflow and prints
@@ -26,10 +30,21 @@ TEST_BACKENDS := $(call lc,$(BACKENDS))
 VENV_torch := .venv-torch
 VENV_megengine := .venv-megengine
 VENV_torch-oldest := .venv-torch-oldest
+VENV_integrations-torch := .venv-integrations-torch
+VENV_integrations-megengine := .venv-integrations-megengine
+# The runners tests/integrations trains with (exact versions: constraints/integrations-*.txt).
+# They get environments of their own so that `make test`'s stay what users install:
+# Enchanter goes in without its declared dependencies (it pins scikit-learn<0.25, which has
+# no CPython 3.11 wheel, and numpy<2), and basecore's wheel brings a top-level `tests`.
+RUNNERS_torch := pytorch-lightning lightning-fabric pytorch-ignite accelerate tensorboard
+RUNNERS_NODEPS_torch := enchanter
+RUNNERS_megengine := basecore
 # The extras each environment installs (in variables: $(call) splits its arguments at
 # every literal comma).
 EXTRAS_torch := torch,test,examples,bench
 EXTRAS_megengine := megengine,test,examples,bench
+EXTRAS_integrations-torch := torch,test
+EXTRAS_integrations-megengine := megengine,test
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 DEMO_ARGS ?=
@@ -52,7 +67,7 @@ pip_install = echo '$(1)/bin/pip install $(2)'; \
 # logger), when there is no CUDA driver; on a CPU machine they only say it runs on CPU.
 CUDA_STUB_NOISE := ^(info: \+|debug: failed to load cuda func: )
 
-.PHONY: test test-oldest demo bench typecheck env-torch env-megengine unknown-backend clean
+.PHONY: test test-oldest test-integrations demo bench typecheck env-torch env-megengine unknown-backend clean
 
 $(VENV_torch)/.ready: pyproject.toml constraints/torch.txt
 	@echo ">>> setting up $(VENV_torch) with $(PY_TORCH) (torch and the test tools; about 1.5 min the first time)"
@@ -74,6 +89,21 @@ $(VENV_torch-oldest)/.ready: pyproject.toml constraints/torch-oldest.txt
 	@$(call pip_install,$(VENV_torch-oldest),-c constraints/torch-oldest.txt -e ".[$(EXTRAS_torch)]")
 	@touch $@
 
+$(VENV_integrations-torch)/.ready: pyproject.toml constraints/integrations-torch.txt
+	@echo ">>> setting up $(VENV_integrations-torch) with $(PY_TORCH) (torch and the torch runners; about 1.5 min the first time)"
+	@test -n "$(PY_TORCH)" || { echo "no python3 found: set PY_TORCH=/path/to/python3.11"; exit 1; }
+	$(PY_TORCH) -m venv $(VENV_integrations-torch)
+	@$(call pip_install,$(VENV_integrations-torch),-c constraints/integrations-torch.txt -e ".[$(EXTRAS_integrations-torch)]" $(RUNNERS_torch))
+	@$(call pip_install,$(VENV_integrations-torch),--no-deps -c constraints/integrations-torch.txt $(RUNNERS_NODEPS_torch))
+	@touch $@
+
+$(VENV_integrations-megengine)/.ready: pyproject.toml constraints/integrations-megengine.txt
+	@echo ">>> setting up $(VENV_integrations-megengine) with $(PY_MGE) (MegEngine and basecore; about 3 min the first time)"
+	@test -n "$(PY_MGE)" || { echo "CPython 3.10 not found (MegEngine needs 3.8-3.10, unified_amp >= 3.10): set PY_MGE=/path/to/python3.10, or run only torch: make test-integrations BACKENDS=torch"; exit 1; }
+	$(PY_MGE) -m venv $(VENV_integrations-megengine)
+	@$(call pip_install,$(VENV_integrations-megengine),-c constraints/integrations-megengine.txt -e ".[$(EXTRAS_integrations-megengine)]" $(RUNNERS_megengine))
+	@touch $@
+
 env-torch: $(VENV_torch)/.ready
 env-megengine: $(VENV_megengine)/.ready
 
@@ -81,8 +111,9 @@ env-megengine: $(VENV_megengine)/.ready
 # from the framework-free core, so before any environment is made.
 demo bench: BAD_NAME = $(UNIFIED_AMP_BACKEND)
 demo bench: BAD_SOURCE = the UNIFIED_AMP_BACKEND environment variable
-test: BAD_NAME = $(BAD_TEST)
+test test-integrations: BAD_NAME = $(BAD_TEST)
 test: BAD_SOURCE = make test BACKENDS=...
+test-integrations: BAD_SOURCE = make test-integrations BACKENDS=...
 unknown-backend:
 	@$(PY_TORCH) -c 'import sys; from unified_amp import _registry as r; \
 	sys.excepthook = lambda t, e, tb: print(f"make: *** {e}", file=sys.stderr); \
@@ -111,6 +142,21 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	printf '%-10s %s\n' "mypy:" "$$typed"; \
 	exit $$status
 
+# Each backend's runners in their own environment; a runner missing there is an error
+# (UNIFIED_AMP_REQUIRE_RUNNERS), not a file quietly left uncollected.
+test-integrations: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_integrations-$(b))/.ready))
+	@mkdir -p $(LOGDIR); status=0; \
+	for b in $(TEST_BACKENDS); do \
+	  echo; echo "================ integrations: $$b ================"; \
+	  UNIFIED_AMP_BACKEND=$$b UNIFIED_AMP_REQUIRE_RUNNERS=1 MEGENGINE_LOGGING_LEVEL=ERROR \
+	    .venv-integrations-$$b/bin/python -m pytest tests/integrations -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; } | tee $(LOGDIR)/integrations-$$b.log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	done; \
+	echo; echo "================ integrations summary ================"; \
+	for b in $(TEST_BACKENDS); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/integrations-$$b.log | tail -1 | tr -d '=')"; done; \
+	exit $$status
+
 # Not part of `make test`: it downloads a CUDA build of torch. Run it when the torch
 # range in pyproject.toml changes, or before a release.
 test-oldest: $(VENV_torch-oldest)/.ready
@@ -127,4 +173,5 @@ typecheck: $(VENV_torch)/.ready
 	$(VENV_torch)/bin/python -m mypy
 
 clean:
-	rm -rf $(VENV_torch) $(VENV_megengine) $(VENV_torch-oldest) $(LOGDIR) demo-output .mypy_cache *.egg-info
+	rm -rf $(VENV_torch) $(VENV_megengine) $(VENV_torch-oldest) $(VENV_integrations-torch) \
+	  $(VENV_integrations-megengine) $(LOGDIR) demo-output .mypy_cache *.egg-info

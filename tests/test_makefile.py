@@ -53,3 +53,21 @@ def test_backends_torch_needs_nothing_of_megengine():
     assert proc.returncode == 0, proc.stderr
     assert "for b in torch;" in proc.stdout
     assert ".venv-megengine" not in proc.stdout and "/no/python3.10" not in proc.stdout
+
+
+def test_unknown_name_in_backends_stops_make_test_integrations():
+    proc = make("test-integrations", BACKENDS="torch jax")
+    assert proc.returncode != 0
+    assert ("Unknown unified_amp backend 'jax' (from make test-integrations BACKENDS=...)"
+            in proc.stderr)
+    assert "setting up" not in proc.stdout
+
+
+def test_integrations_torch_needs_nothing_of_megengine_and_requires_its_runners():
+    proc = make("-n", "test-integrations", "BACKENDS=torch", "PY_MGE=/no/python3.10")
+    assert proc.returncode == 0, proc.stderr
+    assert "for b in torch;" in proc.stdout
+    assert "megengine" not in proc.stdout and "/no/python3.10" not in proc.stdout
+    # make test's environment is left alone; a runner missing there is an error
+    assert "UNIFIED_AMP_REQUIRE_RUNNERS=1" in proc.stdout
+    assert ".venv-integrations-$b/bin/python -m pytest tests/integrations" in proc.stdout
