@@ -2,28 +2,43 @@
 
 The scaler must never unscale the same gradients twice, must allow unscaling *new*
 gradients as often as a loop produces them, and must remember a verdict for as long as
-the gradients it describes exist -- across ``update()``, so that
-``scaler.backward(gm, loss)`` (which unscales and updates) followed by
-``scaler.step(optimizer)`` neither unscales again nor forgets an overflow.
+the gradients it describes exist -- across the ``update()`` that
+``scaler.backward(gm, loss)`` runs itself, so that ``scaler.backward(gm, loss)``
+followed by ``scaler.step(optimizer)`` neither unscales again nor forgets an overflow.
 
 So the ledger follows gradient *generations*, not parameters. A record says: this
 parameter's gradient object, as it stood after backward pass number ``epoch``, was
 unscaled by ``check``. It stops describing the parameter's gradient when
 
 - the gradient is another object (a backward into a None ``.grad``, ``zero_grad()``,
-  the scaler dropping it, the user replacing it), or
+  the scaler dropping it, the user replacing it),
 - a later scaled backward pass ran (the epoch moved) and the gradient was written to
-  since (its version moved). Where the framework has no version counter (MegEngine),
-  a moved epoch alone ends the record.
+  since (its version moved; where the framework has no version counter, MegEngine, a
+  moved epoch alone counts as written) -- within one iteration such a gradient mixes
+  unscaled and scaled values (``MIXED``), or
+- the user called ``update()``: that ends the iteration, and every record with it
+  (gradients zeroed in place, or written by a backward the scaler could not see, are a
+  new generation afterwards).
 
-Records hold their parameter and gradient weakly: MegEngine's GradManager holds tensors
-weakly too, and a freed tensor's ``id()`` may be reused by the next iteration's.
+**Cost.** The records of one check are kept together, as parallel lists (a *batch*),
+not as an object per parameter: a step of torch.amp's loop records one batch and its
+``update()`` drops it, so the ledger adds no per-parameter objects, weak references or
+dictionary entries to the step. Until an ``update()`` a batch holds its gradients (the
+parameters hold them too); one that outlives the ``update()`` of ``scaler.backward`` is
+then made weak, so it keeps no gradient alive that the user frees, and a freed tensor's
+``id()`` reused by a new one is never mistaken for it. A lookup over the same parameter
+list a batch recorded (a GradManager's, an optimizer's) compares position by position;
+other lookups go through an index built once per batch.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import Any, Callable
+
+Version = Callable[[Any], "int | None"]
 
 
 class Check:
@@ -64,90 +79,249 @@ class Check:
         return self.found
 
 
-class _Record:
-    __slots__ = ("param", "grad", "version", "epoch", "iteration", "check")
-
-    def __init__(self, param: Any, grad: Any, version: int | None, epoch: int,
-                 iteration: int, check: Check) -> None:
-        self.param = weakref.ref(param)
-        self.grad = None if grad is None else weakref.ref(grad)  # None: we dropped it
-        self.version = version
-        self.epoch = epoch
-        self.iteration = iteration
-        self.check = check
-
-
-# lookup()'s answer for a gradient that a backward pass accumulated into after it was
+# lookup's answer for a gradient that a backward pass accumulated into after it was
 # unscaled, in the same iteration: part unscaled, part scaled, so no unscale is right.
 MIXED = object()
+# A batch position that records nothing (forgotten, or not covered by the check).
+_ABSENT = object()
+# Batches kept before a new record compacts the older ones.
+_MAX_BATCHES = 16
+
+
+class _Batch:
+    """The records of one check: position ``j`` says that ``params[j]``'s gradient
+    ``grads[j]`` (None: dropped by the scaler, or agreed without one) was unscaled by
+    ``check`` after backward pass ``epoch``; ``versions[j]`` is its version when the
+    next backward pass began (None until then, and where there are no versions)."""
+
+    __slots__ = ("key", "params", "grads", "versions", "epoch", "check", "weak", "index")
+
+    def __init__(self, params: list[Any], grads: list[Any], versions: list[Any] | None,
+                 epoch: int, check: Check) -> None:
+        self.key = tuple(map(id, params))
+        self.params = params
+        self.grads = grads
+        self.versions = versions
+        self.epoch = epoch
+        self.check = check
+        self.weak = False
+        self.index: dict[int, int] | None = None
+
+    def weaken(self) -> None:
+        if self.weak:
+            return
+        ref = weakref.ref
+        self.params = [ref(p) for p in self.params]
+        self.grads = [g if g is None or g is _ABSENT else ref(g) for g in self.grads]
+        self.weak = True
+
+    def param(self, j: int) -> Any:
+        return self.params[j]() if self.weak else self.params[j]
+
+    def grad(self, j: int) -> Any:
+        """The recorded gradient object, None (dropped), _ABSENT, or -- weak and since
+        freed -- a fresh object that no live gradient is."""
+        g = self.grads[j]
+        if self.weak and g is not None and g is not _ABSENT:
+            g = g()
+            return _ABSENT if g is None else g
+        return g
+
+    def position(self, p: Any) -> int | None:
+        if self.index is None:
+            self.index = {k: j for j, k in enumerate(self.key)}
+        j = self.index.get(id(p))
+        if j is None or self.grads[j] is _ABSENT or self.param(j) is not p:
+            return None
+        return j
 
 
 class GradLedger:
     """The scaler's records of unscaled gradient generations (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._records: dict[int, _Record] = {}
+        self._batches: list[_Batch] = []  # oldest first; a newer record shadows an older
         self.epoch = 0  # scaled backward passes seen (or announced) so far
-        self.iteration = 0  # the user's update() calls so far
 
-    def new_backward(self) -> None:
-        """A scaled backward pass ran, or is about to."""
+    def new_backward(self, version: Version = None) -> None:  # type: ignore[assignment]
+        """A scaled backward pass is about to run (or ran, unseen).
+
+        The recorded gradients' versions are read here, when the first backward after
+        the record is about to write, not at the record: the usual step's record ends
+        at update() with no backward in between, so it never reads them at all."""
         self.epoch += 1
+        if version is None or version is _no_version:
+            return
+        for b in self._batches:
+            if b.versions is None:
+                b.versions = [None if g is None or g is _ABSENT else version(g)
+                              for g in (b.grad(j) for j in range(len(b.grads)))]
 
     def new_iteration(self) -> None:
-        """The user called update(): a backward the scaler could not see (MegEngine's
-        ``gm.backward(loss, dy=scale_factor)`` into gradients zeroed in place) may
-        follow, so records without a version counter stop speaking for their gradient."""
-        self.iteration += 1
+        """The user called update(): every record ends (see the module docstring)."""
+        self._batches = []
+
+    def record(self, params: list[Any], grads: list[Any], check: Check,
+               weak: bool = True) -> None:
+        """Notes that ``grads`` (the current gradients of ``params``, None where the
+        scaler dropped one or the rank had none) went through ``check``.
+
+        ``weak=False`` holds the gradients until the next ``update()`` or backward: for
+        torch.amp's forms, whose ``update()`` follows within the iteration; it saves
+        making a weak reference per gradient on every step."""
+        if not params:
+            return
+        if len(self._batches) >= _MAX_BATCHES:  # never reached by the usual loops
+            self._forget_ids({id(p) for p in params})
+        batch = _Batch(params, grads, None, self.epoch, check)
+        if weak:
+            batch.weaken()
+        self._batches.append(batch)
+
+    def weaken(self) -> None:
+        """From now on hold no gradient alive (a backward or a forward may follow
+        before the next update())."""
+        for b in self._batches:
+            b.weaken()
 
     def forget(self, params: list[Any]) -> None:
         """Ends the records of ``params`` (a backward through them is about to run)."""
-        for p in params:
-            self._records.pop(id(p), None)
+        if not self._batches:
+            return
+        key = tuple(map(id, params))
+        kept = [b for b in self._batches if b.key != key]
+        self._batches = kept
+        if kept:
+            self._forget_ids(set(key))
 
-    def record(self, params: list[Any], check: Check,
-               version: Callable[[Any], int | None]) -> None:
-        """Notes that the current gradients of ``params`` went through ``check``
-        (a parameter whose gradient the scaler dropped is recorded as such)."""
-        for p in params:
-            g = p.grad
-            self._records[id(p)] = _Record(p, g, None if g is None else version(g),
-                                           self.epoch, self.iteration, check)
+    def _forget_ids(self, ids: set[int]) -> None:
+        kept = []
+        for b in self._batches:
+            if ids.isdisjoint(b.key):
+                kept.append(b)
+                continue
+            grads = list(b.grads)
+            for j, k in enumerate(b.key):
+                if k in ids:
+                    grads[j] = _ABSENT
+            if any(g is not _ABSENT for g in grads):
+                b.grads = grads
+                kept.append(b)
+        self._batches = kept
 
-    def lookup(self, p: Any, version: Callable[[Any], int | None]) -> Any:
-        """The check that unscaled ``p``'s current gradient; None if the gradient is a
-        new generation; ``MIXED`` if a backward accumulated into it since it was
-        unscaled in this iteration."""
-        rec = self._records.get(id(p))
-        if rec is None:
-            return None
-        g = p.grad
-        same_iteration = rec.iteration == self.iteration
-        if rec.param() is not p:
-            answer = None
-        elif rec.grad is None:  # dropped on overflow: valid until the next backward
-            answer = rec.check if (g is None and rec.epoch == self.epoch
-                                   and same_iteration) else None
-        elif g is None or rec.grad() is not g:
-            answer = None  # another gradient object: a new generation
-        else:
-            if rec.version is not None:
-                # torch: written since iff the version moved -- after a scaled backward,
-                # or across an update() (a zero_grad(set_to_none=False) in between)
-                written = version(g) != rec.version and (
-                    rec.epoch != self.epoch or not same_iteration)
+    def answers(self, params: list[Any], grads: list[Any], version: Version) -> list[Any]:
+        """Per parameter: the check that unscaled its current gradient ``grads[i]``;
+        None if that gradient is a new generation; ``MIXED`` if a backward accumulated
+        into it since it was unscaled. Only called while some batch exists."""
+        out: list[Any] = [None] * len(params)
+        todo = list(range(len(params)))
+        key = None
+        for b in reversed(self._batches):  # the newest record of a parameter decides
+            if not todo:
+                break
+            if key is None:
+                key = tuple(map(id, params))
+            if b.key == key:  # the same parameter list: compare position by position
+                if b.weak:
+                    refs = b.params
+                    pairs = [(i, i) for i in todo if refs[i]() is params[i]]
+                else:
+                    pairs = [(i, i) for i in todo]
             else:
-                written = rec.epoch != self.epoch or not same_iteration
-            if not written:
-                return rec.check
-            if same_iteration:
-                return MIXED  # kept: every later unscale of it must refuse too
-            answer = None
-        del self._records[id(p)]
-        return answer
+                pairs = []
+                for i in todo:
+                    j = b.position(params[i])
+                    if j is not None:
+                        pairs.append((i, j))
+            decided = set()
+            for i, j in pairs:
+                rg = b.grad(j)
+                if rg is _ABSENT:
+                    continue
+                decided.add(i)
+                out[i] = self._answer(b, j, rg, grads[i], version)
+            if decided:
+                todo = [i for i in todo if i not in decided]
+        return out
 
-    def prune(self) -> None:
-        """Drops records whose parameter no longer exists."""
-        dead = [k for k, rec in self._records.items() if rec.param() is None]
-        for k in dead:
-            del self._records[k]
+    def _answer(self, b: _Batch, j: int, recorded: Any, g: Any, version: Version) -> Any:
+        if recorded is None:  # dropped (or agreed without one): valid until a backward
+            return b.check if g is None and b.epoch == self.epoch else None
+        if g is not recorded:
+            return None  # another gradient object: a new generation
+        if b.epoch == self.epoch:
+            return b.check  # no scaled backward since: still the unscaled generation
+        if b.versions is not None and version(g) == b.versions[j]:
+            return b.check  # a backward ran, but did not write to this gradient
+        return MIXED  # the record is kept: every later unscale of it must refuse too
+
+    def empty(self) -> bool:
+        return not self._batches
+
+    def split(self, params: list[Any], version: Version
+              ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+        """``params`` whose current gradient is a new generation, and those gradients;
+        the checks that unscaled the others; the params without a gradient.
+
+        Raises:
+            RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
+        """
+        grads = [p.grad for p in params]
+        if not self._batches:  # the usual step: one pass, no lookups
+            if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
+                return params, grads, [], []
+            pending = [p for p, g in zip(params, grads) if g is not None]
+            idle = [p for p, g in zip(params, grads) if g is None]
+            return pending, [g for g in grads if g is not None], [], idle
+        pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
+        for p, g, check in zip(params, grads, self.answers(params, grads, version)):
+            if check is MIXED:
+                mixed += 1
+            elif check is not None:
+                done[id(check)] = check
+            elif g is not None:
+                pending.append(p)
+                pending_grads.append(g)
+            else:
+                idle.append(p)
+        if mixed:
+            raise _mixed_error(mixed, len(params))
+        return pending, pending_grads, list(done.values()), idle
+
+    def held(self, params: list[Any], version: Version) -> list[Any]:
+        """The gradients of ``params`` that still hold the values a check unscaled.
+
+        Raises:
+            RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
+        """
+        if not self._batches:
+            return []
+        grads = [p.grad for p in params]
+        held, mixed = [], 0
+        for g, check in zip(grads, self.answers(params, grads, version)):
+            if check is MIXED:
+                mixed += 1
+            elif check is not None and g is not None:
+                held.append(g)  # (a gradient dropped on overflow holds nothing)
+        if mixed:
+            raise _mixed_error(mixed, len(params))
+        return held
+
+
+def _no_version(grad: Any) -> None:
+    """The version counter of a framework without one."""
+    return None
+
+
+_is_none = functools.partial(operator.is_, None)
+
+
+def _mixed_error(mixed: int, total: int) -> RuntimeError:
+    return RuntimeError(
+        f"{mixed} of the {total} gradients were unscaled, then a backward pass added"
+        f" scaled gradients to them before update(): they now mix unscaled and scaled"
+        f" values, and no unscale can fix that. When accumulating micro-batches, unscale"
+        f" once, after the last backward, or accumulate with scaler.backward(gm, loss),"
+        f" which rescales what it already unscaled (if you zeroed the gradients in place"
+        f" between iterations without calling update(), set them to None instead)."
+    )

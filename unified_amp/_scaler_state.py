@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from typing import Any, Sequence
 
 from . import _tracing, distributed
-from ._ledger import MIXED, Check, GradLedger
+from ._ledger import Check, GradLedger, _no_version
 from ._registry import get_backend
 from ._scale_rule import next_scale, valid_scale
 from ._targets import is_optimizer, params_of
@@ -71,6 +72,10 @@ class ScalerState:
     _forensics: Forensics  # overflow reports (forensics.py)
     _tail: dict[int, list[Check]]  # optimizer id -> the checks behind its last step
     #                                after backward()'s update()
+    # optimizer -> (the shape of its param_groups, its parameters), reused while the
+    # groups stay the same lists: rebuilding it is a pass over every parameter
+    _param_lists: "weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]]"
+    _tracing_known: tuple[Any, bool] | None = None  # (adapter, whether it has traces)
 
     @property
     def adapter_view(self) -> AdapterView:
@@ -120,6 +125,8 @@ class ScalerState:
         run there as it does eagerly. Inside one the scale lives on the device from
         then on, starting from the copy kept current until then."""
         backend = self._be()
+        if not self._can_trace():
+            return False  # (what enter() and mirror() answer for such an adapter)
         if not _tracing.enter(backend, what, (self._growth_factor, self._backoff_factor)):
             if self._dev is None and self._trace_copy is None:
                 self._mirror()  # after unpickling
@@ -127,6 +134,14 @@ class ScalerState:
         if self._dev is None:
             self._dev = _tracing.take_copy(backend, what, self._trace_copy)
         return True
+
+    def _can_trace(self) -> bool:
+        """Whether the adapter has traces at all; asked once (a step asks often)."""
+        backend = self._be()
+        known = self._tracing_known
+        if known is None or known[0] is not backend:
+            known = self._tracing_known = (backend, _tracing.supported(backend))
+        return known[1]
 
     def _refuse_in_trace(self, what: str, kind: str) -> None:
         """Raises if ``what``, a call that needs the host, runs inside a trace."""
@@ -136,7 +151,7 @@ class ScalerState:
     def _mirror(self) -> None:
         """Brings the adapter's trace copy of the scale up to date with the host's (a
         trace can only use device state that is right when it starts)."""
-        if self._enabled and self._dev is None:
+        if self._enabled and self._dev is None and self._can_trace():
             self._trace_copy = _tracing.mirror(self._be(), self._trace_copy,
                                                self._scale_value, self._tracker,
                                                self._skipped_steps)
@@ -146,34 +161,59 @@ class ScalerState:
         # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
         return 1.0 / self._scale_value if self._scale_value else math.inf
 
+    def _params_of_optimizer(self, optimizer: Any) -> list[Any]:
+        groups = optimizer.param_groups
+        shape = [(id(g["params"]), len(g["params"])) for g in groups]
+        try:
+            cached = self._param_lists.get(optimizer)
+        except TypeError:  # not weak-referenceable: no cache
+            return params_of(optimizer, self._be(), "GradScaler.step()")
+        if cached is not None and cached[0] == shape:
+            return cached[1]
+        params = params_of(optimizer, self._be(), "GradScaler.step()")
+        self._param_lists[optimizer] = (shape, params)
+        return params
+
     def _read(self, flag: Any) -> bool:
         return bool(self._be().flag_is_set(flag))
 
-    def _split(self, params: list[Any]) -> tuple[list[Any], list[Check], list[Any]]:
-        """``params`` with a gradient that still needs unscaling, the checks that
-        already covered others (from the ledger), and the params with neither."""
-        pending, done, idle, mixed = [], {}, [], 0
-        version = self._version
-        for p in params:
-            check = self._ledger.lookup(p, version)
-            if check is MIXED:
-                mixed += 1
-            elif check is not None:
-                done[id(check)] = check
-            elif p.grad is not None:
-                pending.append(p)
-            else:
-                idle.append(p)
-        if mixed:
-            raise RuntimeError(
-                f"{mixed} of the {len(params)} gradients were unscaled, then a backward"
-                f" pass added scaled gradients to them before update(): they now mix"
-                f" unscaled and scaled values, and no unscale can fix that. When"
-                f" accumulating micro-batches, unscale once, after the last backward (if"
-                f" you zeroed the gradients in place between iterations without calling"
-                f" update(), set them to None instead)."
-            )
-        return pending, list(done.values()), idle
+    def _split(self, params: list[Any]
+               ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+        """``params`` with a gradient that still needs unscaling and those gradients,
+        the checks that already covered others (from the ledger), and the params with
+        neither."""
+        return self._ledger.split(params, self._version)
+
+    def _rescale_held(self, params: list[Any]) -> None:
+        """Brings gradients this scaler unscaled, and that still hold those values,
+        back to the current scale, in one fused multiply: the backward about to run
+        adds scaled gradients to them, and one unscale afterwards then gives the true
+        sum (automatic mode's accumulation; docs/DROP_IN.md). The flag is not read: a
+        gradient that is inf/NaN (or becomes so) stays so, and that unscale finds it."""
+        held = self._ledger.held(params, self._version)
+        if held and self._dev is not None:
+            self._dev.rescale(held)
+        elif held:  # the fused check-and-multiply kernel, given the scale itself
+            self._be().unscale_and_check(held, self._scale_value)
+
+    def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str
+                        ) -> tuple[Any, bool]:
+        """Whether ``pending`` may be unscaled: returns ``(agreement, unscale)`` for
+        ``_check``, or raises if nothing was scaled since the last update.
+
+        One exception to the raise: a rank of a job whose checks are agreed across ranks
+        (a process_group, FSDP) that had no loss this step -- an empty micro-batch, an
+        expert that got no tokens -- may still hold gradients (zeroed in place). They are
+        not scaled, so they are checked as they are, not divided, and the rank joins the
+        other ranks' decision instead of leaving them waiting in the collective.
+        """
+        if self._handed_watched or self._handed_blind:
+            self._require_scaled(what)  # raises only if no backward used the scale
+            return False, True
+        agreement = distributed.plan(self._be(), pending, idle, self._process_group)
+        if agreement is None:
+            self._require_scaled(what)  # raises
+        return agreement, False
 
     def _require_scaled(self, what: str) -> None:
         """Raises if unscaling now would shrink gradients that were never scaled."""
@@ -195,7 +235,8 @@ class ScalerState:
                 f" the loss itself."
             )
 
-    def _check(self, params: list[Any], *, idle: Sequence[Any] = (), agreement: Any = False,
+    def _check(self, params: list[Any], *, grads: list[Any] | None = None,
+               idle: Sequence[Any] = (), agreement: Any = False,
                unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
         """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
         them too unless a fused optimizer will. ``read`` reads the verdict at once (the
@@ -203,14 +244,16 @@ class ScalerState:
 
         In a multi-process job the verdict is agreed across ranks (distributed.py);
         ``idle`` (the target's params without a gradient here) then take part too, and
-        ``agreement`` may pass the plan when the caller made it already.
+        ``agreement`` may pass the plan when the caller made it already. ``grads``:
+        the gradients of ``params``, where the caller has them already.
         """
         backend = self._be()
         if agreement is False:
             agreement = distributed.plan(backend, params, list(idle), self._process_group)
-        grads = backend.grads(params)
-        if agreement is not None:
-            grads += agreement.standins
+        if grads is None:
+            grads = backend.grads(params)
+        if agreement is not None and agreement.standins:
+            grads = grads + agreement.standins
         if not allow_fp16:
             for dtype in {g.dtype for g in grads}:
                 if backend.dtype_name(dtype) == "float16":
@@ -228,7 +271,7 @@ class ScalerState:
         if agreement is not None:
             check = agreement.check(flag, params or list(idle))
             # Every rank now covers the same parameters, gradient or not.
-            self._ledger.record(list(idle), check, self._version)
+            self._ledger.record(list(idle), [None] * len(idle), check)
         else:
             check = Check(None, False) if flag is None else Check(flag, None)
         if check.found is None:
@@ -238,8 +281,10 @@ class ScalerState:
         self._checks.append(check)
         return check
 
-    def _unscale(self, target: Any, what: str, *, drop: bool) -> None:
-        """unscale()/unscale_(): the shared part. ``drop``: megengine.amp's form."""
+    def _unscale(self, target: Any, what: str, *, drop: bool,
+                 params: list[Any] | None = None) -> None:
+        """unscale()/unscale_(): the shared part. ``drop``: megengine.amp's form;
+        ``params``: the target's parameters, where the caller has them already."""
         state = None
         if is_optimizer(target):
             state = self._opt_state(target)
@@ -254,9 +299,10 @@ class ScalerState:
                     "unscale_() is being called after step(). Unscale before"
                     " scaler.step(optimizer) (step() unscales by itself when you don't)."
                 )
-        params = params_of(target, self._be(), f"GradScaler.{what}")
+        if params is None:
+            params = params_of(target, self._be(), f"GradScaler.{what}")
         distributed.note_module(self._be(), target)
-        pending, done, idle = self._split(params)
+        pending, grads, done, idle = self._split(params)
         if done:
             raise RuntimeError(
                 f"{what} has already been called on these gradients: no backward pass"
@@ -267,17 +313,22 @@ class ScalerState:
                 f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
                 f" gradients that were not cleared also adds to unscaled ones."
             )
+        agreement, unscale = False, True
         if pending:
-            self._require_scaled(what)
+            agreement, unscale = self._scaled_or_idle(pending, idle, what)
             distributed.require_synced(self._be(), pending, f"GradScaler.{what}")
         if state is not None:
             self._steps_on_device(target)  # a fused optimizer moves the scale to the device
         # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
         # in step(), as torch.amp does.
-        check = self._check(pending, idle=idle, read=drop)
+        check = self._check(pending, grads=grads, idle=idle, agreement=agreement,
+                            unscale=unscale, read=drop)
         if drop and check.found:
             self._be().drop_grads(pending)
-        self._ledger.record(pending, check, self._version)
+            grads = [None] * len(pending)
+        # torch.amp's unscale_ is followed by step() and update() within the iteration;
+        # megengine.amp's unscale may be followed by the next forward instead.
+        self._ledger.record(pending, grads, check, weak=drop)
         if state is not None:
             state.stage = _Stage.UNSCALED
             state.checks.append(check)
@@ -285,7 +336,7 @@ class ScalerState:
     def _on_scaled_backward(self) -> None:
         # Called by the adapter when a backward pass runs through a scale() output.
         self._saw_backward = True
-        self._ledger.new_backward()
+        self._ledger.new_backward(self._version)
 
     def _step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
                            fused_unscale: bool, args: tuple, kwargs: dict) -> Any:
@@ -342,7 +393,6 @@ class ScalerState:
                 self._count_step(found)
             self._mirror()
         self._updated_by_backward = False
-        self._ledger.prune()
         self._new_iteration()
 
     def _nothing_checked(self) -> RuntimeError:
@@ -437,7 +487,3 @@ class AdapterView:
         check = scaler._check(params, unscale=False, read=False, allow_fp16=True)
         scaler._opt_state(optimizer).checks.append(check)
         return check
-
-
-def _no_version(grad: Any) -> None:
-    return None

@@ -4,6 +4,7 @@ hyper-parameters' getters and setters, checkpoints (``state_dict``) and pickling
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -218,7 +219,9 @@ class ScalerSurface(ScalerState):
         state["_backend"] = None  # re-resolved on first use after unpickling
         state["_dev"] = None  # device tensors are remade at the next fused step
         state["_trace_copy"] = None  # remade at the next call outside a trace
-        state["_ledger"] = GradLedger()  # it refers to live tensors, weakly
+        state["_ledger"] = GradLedger()  # it refers to live tensors
+        state["_param_lists"] = None  # weak references do not pickle
+        state["_tracing_known"] = None  # asked again of the adapter after loading
         state["_forensics"] = None  # it refers to models; watch() again after loading
         state["_process_group"] = None  # a live communicator; give it again after loading
         state["_tail"] = {}
@@ -227,6 +230,7 @@ class ScalerSurface(ScalerState):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_trace_copy", None)  # pickled before traces were known
+        self._param_lists = weakref.WeakKeyDictionary()
         if self.__dict__.get("_forensics") is None:
             self._forensics = Forensics(self, self._enabled)
 

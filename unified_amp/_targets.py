@@ -44,6 +44,8 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
                 f" {backend.name} parameters; got {type(target).__name__}"
                 f" {_short(target)}."
             )
+    if len(set(map(id, params))) == len(params):
+        return params  # the usual case, checked at C speed
     seen: set[int] = set()
     unique = []
     for p in params:

@@ -66,6 +66,11 @@ _HOST_CALLS = {
 }
 
 
+def supported(backend: Any) -> bool:
+    """Whether the adapter has traces at all (the Tracing capability)."""
+    return capability(backend, Tracing) is not None
+
+
 def mode(backend: Any) -> str | None:
     """The adapter's answer: None (no trace), RERUN or ONCE."""
     tracer = capability(backend, Tracing)

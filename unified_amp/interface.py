@@ -121,7 +121,9 @@ class LossScaling(Protocol):
 
     def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
         """Fused kernel: multiplies every gradient by ``inv_scale`` in place and returns a
-        device-side flag that is set if any gradient holds an inf or NaN. No host sync."""
+        device-side flag that is set if any gradient holds an inf or NaN. No host sync.
+        (The scaler also passes the scale itself, to bring gradients it unscaled back
+        to the scale before an automatic-mode backward accumulates into them.)"""
 
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
@@ -257,6 +259,10 @@ class DeviceScale(Protocol):
 
     def check(self, grads: Sequence[Any]) -> Any:
         """The fused check alone (the optimizer unscales inside its own kernel)."""
+
+    def rescale(self, grads: Sequence[Any]) -> Any:
+        """Multiplies ``grads`` by the device scale in place (gradients the scaler
+        unscaled, back to the scale before an automatic-mode backward adds to them)."""
 
     def step(self, optimizer: Any, unscale: bool, flags: Sequence[Any],
              args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
@@ -167,6 +168,7 @@ class GradScaler(ScalerSurface):
         self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
         self._trace_copy: Any = None  # its copy of the scale for traced steps (_tracing.py)
         self._ledger = GradLedger()
+        self._param_lists = weakref.WeakKeyDictionary()
         self._updated_by_backward = False  # the last update() was backward()'s own
         self._forensics = Forensics(self, self._enabled)  # overflow reports (forensics.py)
         # optimizer id -> the checks behind its last step after backward()'s update()
@@ -192,7 +194,7 @@ class GradScaler(ScalerSurface):
                     self._handed_watched = True
                 else:
                     self._handed_blind = True
-                    self._ledger.new_backward()  # a backward may follow unseen
+                    self._ledger.new_backward(self._version)  # a backward may follow unseen
                 return out
             if isinstance(val, (list, tuple)):
                 return type(val)(apply(v, f"{where}[{i}]") for i, v in enumerate(val))
@@ -250,17 +252,20 @@ class GradScaler(ScalerSurface):
             cotangents = self._dev.scaled_cotangents(ys, dys)
         else:
             cotangents = self._be().scaled_cotangents(ys, dys, self._scale_value)
+        attached = params_of(gm, self._be(), "GradScaler.backward()")
+        self._rescale_held(attached)
         # This backward writes a new generation of gm's gradients.
-        self._ledger.forget([p for p in gm.attached_tensors() if p is not None])
-        self._ledger.new_backward()
+        self._ledger.forget(attached)
+        self._ledger.new_backward(self._version)
         self._handed_blind = True
         self._forensics.saw_loss(ys)
         gm.backward(ys, cotangents)
         if unscale_grad:
-            self.unscale(gm)
+            self._unscale(gm, "unscale()", drop=True, params=attached)
             if update_scale:
                 self._update(None)  # not the user's: the ledger's iteration goes on
                 self._updated_by_backward = True
+            self._ledger.weaken()  # the user's step, zero_grad and next forward follow
 
     def unscale(self, target: Any) -> "GradScaler":
         """Divides the gradients of ``target`` by the scale, in place, and checks them
@@ -341,8 +346,8 @@ class GradScaler(ScalerSurface):
         # device scale skips for any optimizer (_tracing.py).
         fused = self._steps_on_device(optimizer)
         on_device = fused or self._traced("GradScaler.step()")
-        params = params_of(optimizer, self._be(), "GradScaler.step()")
-        pending, done, idle = self._split(params)
+        params = self._params_of_optimizer(optimizer)
+        pending, grads, done, idle = self._split(params)
         if state.stage is _Stage.READY and not pending and done and not any(
                 c is k for c in done for k in self._checks):
             # Every gradient was decided by checks that an update() already consumed:
@@ -356,16 +361,20 @@ class GradScaler(ScalerSurface):
             # No gradient here, but another rank may have some: take part in its check.
             agreement = distributed.plan(self._be(), [], idle, self._process_group)
         if state.stage is _Stage.READY and (pending or agreement is not None):
-            self._require_scaled("step()")
+            unscale = True
+            if pending:
+                agreement, unscale = self._scaled_or_idle(pending, idle, "step()")
             distributed.require_synced(self._be(), pending, "GradScaler.step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = fused and not done
-            check = self._check(pending, idle=idle, agreement=agreement or False,
-                                unscale=not fused_unscale, read=False,
+            fused_unscale = fused and not done and unscale
+            check = self._check(pending, grads=grads, idle=idle,
+                                agreement=agreement or False,
+                                unscale=unscale and not fused_unscale, read=False,
                                 allow_fp16=fused_unscale)
             if not fused_unscale:
-                self._ledger.record(pending, check, self._version)
+                # held until update(), which torch.amp's loop calls next
+                self._ledger.record(pending, grads, check, weak=False)
             checks.append(check)
         if not checks and not fused:
             raise RuntimeError(

@@ -96,6 +96,10 @@ class DeviceScale(interface.TracedScale):
             g._reset(g * inv)
         return flag
 
+    def rescale(self, grads: Sequence[Any]) -> None:
+        for g in grads:  # as unscale_and_check, by the scale instead of its reciprocal
+            g._reset(g * self.scale_t)
+
     @staticmethod
     def _found(flags: Sequence[Any], found_host: bool = False) -> Any:
         total = None

@@ -30,7 +30,7 @@ class LossScaling(interface.LossScaling):
         return [dy * scale for dy in dys]
 
     def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
-        by_device: dict[str, list[Any]] = defaultdict(list)
+        by_device: dict[Any, list[Any]] = defaultdict(list)  # CompNode -> gradients
         for g in grads:
             if g.dtype != np.float32:
                 raise ValueError(
@@ -38,7 +38,7 @@ class LossScaling(interface.LossScaling):
                     f" got a {dtype_name(g.dtype)} gradient of shape {tuple(g.shape)}."
                     f" Keep parameters in float32 and let autocast cast the compute."
                 )
-            by_device[str(g.device)].append(g)
+            by_device[g.device].append(g)
         # One fused kernel per device; it unscales in place and returns an int32 flag.
         flags = [_check_non_finite(same, inv_scale) for same in by_device.values()]
         return flags

@@ -27,6 +27,7 @@ class TorchDeviceScale(interface.DeviceScale):
         self.scale_t = torch.full((), scale, dtype=torch.float32, device=device)
         self.tracker_t = torch.full((), tracker, dtype=torch.int32, device=device)
         self.skipped_t = torch.full((), skipped, dtype=torch.float64, device=device)
+        self._one = torch.ones((), dtype=torch.float32, device=device)  # check's factor
         self._in_flight: collections.deque = collections.deque()  # copies not yet landed
         self._latest: tuple | None = None  # the newest snapshot that has landed
 
@@ -45,7 +46,11 @@ class TorchDeviceScale(interface.DeviceScale):
         return check_and_unscale(grads, inv, self.device)
 
     def check(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        return check_and_unscale(grads, 1.0, self.device)
+        return check_and_unscale(grads, self._one, self.device)
+
+    def rescale(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        # multiplies by the scale: unscaled gradients back to the scale (no host read)
+        return check_and_unscale(grads, self.scale_t, self.device)
 
     def step(self, optimizer: Any, unscale: bool, flags: Sequence[torch.Tensor],
              args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -66,6 +71,8 @@ class TorchDeviceScale(interface.DeviceScale):
 
     def _combine(self, flags: Sequence[torch.Tensor], found_host: bool = False
                  ) -> torch.Tensor:
+        if not found_host and len(flags) == 1 and flags[0].device == self.device:
+            return flags[0]  # the usual step: one check (only read from here on)
         found = torch.full((), float(found_host), dtype=torch.float32, device=self.device)
         for f in flags:
             found = found + f.to(self.device, non_blocking=True)
@@ -80,11 +87,16 @@ class TorchDeviceScale(interface.DeviceScale):
         else:
             torch._amp_update_scale_(self.scale_t, self.tracker_t, found, growth, backoff,
                                      interval)
+        last = found > 0
         if count:
-            self.skipped_t += (found > 0).double()
-        self._snapshot(steps, found > 0)
+            self.skipped_t += last
+        self._snapshot(steps, last)
 
     def _snapshot(self, steps: int, last_found: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            # Nothing is asynchronous on the CPU: poll() reads the tensors themselves.
+            self._latest = (steps, None, last_found)
+            return
         values = torch.stack([self.scale_t.double(), self.tracker_t.double(),
                               self.skipped_t, last_found.double()])
         if self.device.type == "cuda":
@@ -109,7 +121,10 @@ class TorchDeviceScale(interface.DeviceScale):
         self._drain()
         if self._latest is None:
             return None
-        steps, buf, _ = self._latest
+        steps, buf, last_found = self._latest
+        if buf is None:  # a CPU snapshot
+            return (steps, float(self.scale_t), int(self.tracker_t), int(self.skipped_t),
+                    bool(last_found))
         scale, tracker, skipped, last = buf.tolist()
         return steps, scale, int(tracker), int(skipped), bool(last)
 

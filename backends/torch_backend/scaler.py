@@ -108,6 +108,28 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
 
+    # torch.amp keeps the values its lazily made _scale/_growth_tracker tensors start
+    # from; load_state_dict() and unpickling set them. There is no lazy start here, so
+    # they read (and write) the scale and tracker the next step uses -- the same values
+    # wherever torch.amp's have not yet been overtaken by its tensors.
+    @property
+    def _init_scale(self) -> float:
+        return self.get_scale()
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self.scale_factor = value  # validated; sets the device copy too
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._get_growth_tracker()
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        state = self.state_dict()
+        if state:  # (disabled: nothing to set, as every other setting)
+            self.load_state_dict(dict(state, _growth_tracker=value))  # validated
+
     def _get_growth_tracker(self) -> int:
         view = self.adapter_view
         tracker = view.synced_scale()[1]
@@ -150,12 +172,23 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
         """torch.amp's helper, for code that calls it directly: unscales the optimizer's
         gradients by ``inv_scale`` and returns a found-inf flag per device. The scaler's
         own methods do not go through it, so overriding it changes nothing."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"]
-                 if p.grad is not None]
-        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
-            raise ValueError("Attempting to unscale FP16 gradients.")
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if not allow_fp16 and g.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
+                    # As torch.amp: duplicate indices summed first, since their float16
+                    # sum may overflow where each value alone does not.
+                    g = p.grad = g.coalesce()
+                grads.append(g)
         found = check_and_unscale_per_device(grads, inv_scale)
-        return {device: flag + found_inf.to(device) for device, flag in found.items()}
+        # torch.amp's kernel sets the flag it is given (a copy per device) to 1 on a find
+        return {device: torch.maximum(flag, found_inf.to(device))
+                for device, flag in found.items()}
 
 
 class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):  # type: ignore[misc]

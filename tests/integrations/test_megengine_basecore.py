@@ -201,9 +201,6 @@ def test_solver_same_bytes_with_either_scaler(tmp_path, clip):
     assert pickle.dumps(as_megengine_saves(ours_loaded.state_dict())) == native["saved_scaler"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 18: unified_amp's automatic mode accumulates the true sum once that work is"
-    " merged; until then it mixes as megengine.amp does (remove this mark then)"))
 def test_step_grad_accumulation(tmp_path):
     """basecore's `step_grad=False` accumulation calls `backward(gm, loss)` (unscale and
     update) on every micro-batch, so the second backward adds scaled gradients to the

@@ -171,3 +171,16 @@ def test_grad_manager_all_reduce_callbacks_on_torch(results):
     r0, r1 = scenario(results, "callbacks_all_reduce")
     assert r0["history"] == r1["history"] == expected_history()
     assert_same_weights(r0["weights"], r1["weights"])
+
+
+def test_a_rank_without_a_loss_joins_the_agreement_and_skips_with_the_others(results):
+    r0, r1 = scenario(results, "idle_rank")
+    overflows = [s in sc.INF_ON_RANK1 for s in range(sc.IDLE_STEPS)]
+    ref = trajectory(sc.INIT, 2.0, 0.5, sc.INTERVAL, overflows)
+    expected = [(scale, skipped) for (scale, _), skipped in zip(ref, overflows)]
+    assert r0["history"] == r1["history"] == expected
+    # rank 1's weights move exactly at its clean steps; rank 0's at the steps where it
+    # had a loss and nobody overflowed (idle steps have nothing, or zeros, to apply)
+    assert r1["changed"] == [not o for o in overflows]
+    assert r0["changed"] == [not o and s not in sc.IDLE_ON_RANK0
+                             for s, o in enumerate(overflows)]

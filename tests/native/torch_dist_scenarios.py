@@ -401,6 +401,44 @@ def callbacks_all_reduce(rank, world):
     return {"history": rec.history, "weights": weights(model.parameters())}
 
 
+# A rank with no loss in some steps (an empty micro-batch, an expert that got no tokens)
+IDLE_STEPS = 12
+IDLE_ON_RANK0 = {1: "unscale_", 4: "step", 9: "zeroed"}  # step -> how rank 0 idles
+INF_ON_RANK1 = (2, 4, 7)
+
+
+def idle_rank(rank, world):
+    """Hand-sharded parameters with process_group=WORLD. Rank 0 has no loss at three
+    steps and still calls unscale_ (or not) / step / update: with its gradients None
+    (steps 1, 4) or zeroed in place (step 9). Rank 1 plants an inf in its own gradient
+    at three steps, one of them (4) an idle step of rank 0. Both ranks must skip the
+    same steps and keep the same scales; a rank that skipped the agreement would make
+    the other wait until the process group's timeout."""
+    model = make_model(seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = amp.GradScaler("cpu", init_scale=INIT, growth_interval=INTERVAL,
+                            process_group=dist.group.WORLD)
+    history, weights_before = [], []
+    for step in range(IDLE_STEPS):
+        idle = IDLE_ON_RANK0.get(step) if rank == 0 else None
+        if idle is None:
+            x, y = batch(step, rank)
+            scaler.scale(loss_of(model, x, y)).backward()
+            if rank == 1 and step in INF_ON_RANK1:
+                plant_in_local_shard(model.parameters())
+        weights_before.append(weights(model.parameters()))
+        if idle != "step":
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=IDLE_ON_RANK0.get(step + 1) != "zeroed")
+        history.append((scaler.get_scale(), scaler.stats()["last_step_skipped"]))
+    changed = [any(not np.array_equal(a, b) for a, b in zip(before, after))
+               for before, after in zip(weights_before,
+                                        weights_before[1:] + [weights(model.parameters())])]
+    return {"history": history, "changed": changed}
+
+
 class ReadCounter:
     """Counts the scaler's host reads of the overflow flag (the one sync per step)."""
 
@@ -421,7 +459,7 @@ class ReadCounter:
 
 
 SCENARIOS = [ddp, ddp_no_sync, ddp_no_sync_misuse, fsdp2, fsdp2_gradless_rank, fsdp1,
-             fsdp1_orig_params, hand_sharded, callbacks_all_reduce]
+             fsdp1_orig_params, hand_sharded, callbacks_all_reduce, idle_rank]
 
 
 def run_all(rank: int, world: int, port: int, out_dir: str) -> None:
