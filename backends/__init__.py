@@ -7,8 +7,8 @@ first use); importing this package imports no framework.
 This directory is importable only under that name. From a checkout whose root is on
 ``sys.path``, a bare ``import backends`` would load every adapter a second time, as
 other modules (``backends.torch_backend`` beside ``unified_amp.backends.torch_backend``)
-with their own copies of the adapters' per-process state (torch's registered autocast
-kernels, MegEngine's patched functions): so it refuses, and says what to import instead.
+with their own copies of the adapters' per-process state (MegEngine's patched
+functions): so it refuses, and says what to import instead.
 """
 
 if __name__ != "unified_amp.backends":

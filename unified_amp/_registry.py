@@ -45,7 +45,11 @@ _AUTO_ORDER = ("torch", "megengine")
 
 _lock = threading.Lock()
 _chosen: str | None = None  # set by set_backend()
-_active: "Backend | None" = None  # the adapter instance in use
+# The adapter instance in use, or _NONE. A sentinel object rather than None: dynamo
+# guards on an object by identity, and None by value, which fails once the first use
+# (see _activate) has replaced it during tracing.
+_NONE: Any = object()
+_active: Any = _NONE  # a Backend once chosen
 _instances: "dict[str, Backend]" = {}
 _factories: dict[str, Callable[[], Any]] = {}  # register_backend()
 
@@ -137,7 +141,7 @@ def set_backend(name: str) -> None:
     name = _validate(name, "set_backend()")
     with _lock:
         _chosen = name
-        _active = None
+        _active = _NONE
 
 
 def _resolve_name() -> str:
@@ -202,17 +206,29 @@ def _load(name: str) -> "Backend":
 
 def get_backend() -> "Backend":
     """The active adapter (``.name`` is "torch" or "megengine"), made on first use."""
-    global _active
     active = _active
-    if active is not None:
+    if active is not _NONE:
         return active
+    return _instances[_activate()]
+
+
+def _activate() -> str:
+    """Picks and loads the adapter, once per process (or after ``set_backend``); returns
+    its key in ``_instances``."""
+    global _active
     with _lock:
-        if _active is None:
-            name = _resolve_name()
-            if name not in _instances:
-                _instances[name] = _load(name)
-            _active = _instances[name]
-        return _active
+        name = _resolve_name()
+        if name not in _instances:
+            _instances[name] = _load(name)
+        _active = _instances[name]
+        return name
+
+
+# Where the first use happens inside a function that torch.compile traces, dynamo cannot
+# follow the lock and the import above. This attribute (what
+# torch._dynamo.assume_constant_result sets; set by name, as the core imports no
+# framework) makes dynamo run the function as it is, once, while tracing.
+_activate._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _reset_for_tests() -> None:
@@ -221,7 +237,7 @@ def _reset_for_tests() -> None:
     global _chosen, _active
     with _lock:
         _chosen = None
-        _active = None
+        _active = _NONE
         for name in list(_factories):
             _factories.pop(name)
             _instances.pop(name, None)

@@ -170,7 +170,10 @@ class autocast:
     def __call__(self, func: _F) -> _F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self:
+            # A twin made per call rather than `with self`: torch.compile traces only a
+            # context manager made inside the function it compiles.
+            with autocast(self.enabled, self.dtype, device=self.device,
+                          contract=self.contract):
                 return func(*args, **kwargs)
 
         return cast(_F, wrapper)

@@ -34,9 +34,6 @@ class TorchBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCasting,
     name = "torch"
 
     def __init__(self) -> None:
-        # The dtype-contract kernels are installed by the first enabled unified autocast
-        # block, not here: a drop-in user who only swaps GradScaler never gets them, so
-        # plain torch.autocast keeps its exact dispatch path and speed.
         self._scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
 
 

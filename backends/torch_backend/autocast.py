@@ -1,80 +1,166 @@
-"""Autocasting: torch.autocast per device, and the dtype contract's float32 kernels."""
+"""Autocasting: torch.autocast per device, and the dtype contract, both in a form that
+``torch.compile`` traces (docs/COMPILE.md).
+
+The contract is a ``TorchFunctionMode`` on torch's function-mode stack rather than a
+Python flag read inside dispatcher kernels. Dynamo guards on that stack and inlines the
+mode's ``__torch_function__``, so the float32 casts become ordinary nodes of the captured
+graph: a graph traced with the contract differs from one traced without it, in dynamo's
+cache and in AOTAutograd's and inductor's (also on disk), and plain ``torch.autocast``
+never meets the contract. Eagerly the mode does the same casts, so eager and compiled
+code agree.
+"""
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from unified_amp import interface
 from unified_amp.errors import UnsupportedPrecisionError
 
 from .basics import DTYPES, LOW, default_dtype, devices
 
-# Ops the dtype contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md).
-# Where torch's autocast already has a kernel for an (op, device) pair -- on CUDA it puts
-# softmax, log_softmax, sum, exp, log and layer_norm in float32 -- we leave it alone; where
-# it falls through (all of these on CPU; mean and average pooling on CUDA), a float16
-# input would give a float16 output, so we register a kernel on that device's Autocast
-# key.
-_FP32_OPS = (
-    "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "mean", "mean.dim",
-    "exp", "log", "layer_norm", "avg_pool2d", "adaptive_avg_pool2d",
-)
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
+# The ops the contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md):
+# each aten op, and the Python spellings that reach it first.
+_SPELLINGS: dict[str, tuple[Any, ...]] = {
+    "softmax.int": (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax,
+                    F.softmin),  # softmin: the softmax of -x, in one Python function
+    "log_softmax.int": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+                        torch.special.log_softmax),
+    "sum": (torch.sum, torch.Tensor.sum),
+    "mean": (torch.mean, torch.Tensor.mean),
+    "exp": (torch.exp, torch.Tensor.exp),
+    "log": (torch.log, torch.Tensor.log),
+    "layer_norm": (F.layer_norm, torch.layer_norm),
+    "avg_pool2d": (F.avg_pool2d,),
+    "adaptive_avg_pool2d": (F.adaptive_avg_pool2d,),
+}
 
-class _Policy(threading.local):
-    """Whether the innermost unified autocast block of this thread is enabled.
 
-    The registered kernels consult it so that plain ``torch.autocast`` (not ours) keeps
-    torch's own behaviour even after this adapter is loaded.
+def _fp32_functions() -> dict[Any, frozenset[str]]:
+    """function -> the device types on which the contract must cast its inputs.
+
+    Where torch's autocast already runs an op in float32 on a device (on CUDA: softmax,
+    log_softmax, sum, exp, log, layer_norm) the contract adds nothing there, so a
+    compiled graph stays exactly torch.autocast's. Read once, at import, from torch's
+    own dispatcher table (nothing of ours is ever registered in it).
+    """
+    table: dict[Any, frozenset[str]] = {}
+    for op, functions in _SPELLINGS.items():
+        where = frozenset(
+            dev for dev, key in _AUTOCAST_KEYS.items()
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key))
+        for fn in functions:
+            table[fn] = where
+    return table
+
+
+_FP32 = _fp32_functions()
+
+
+def _up(value: Any, where: frozenset[str]) -> Any:
+    """``value`` in float32 if it is a low-precision tensor on a device whose autocast
+    is on and where the contract applies; otherwise ``value`` itself."""
+    if (isinstance(value, torch.Tensor) and value.dtype in LOW
+            and value.device.type in where and torch.is_autocast_enabled(value.device.type)):
+        return value.float()
+    return value
+
+
+class ContractMode(TorchFunctionMode):
+    """Casts the low-precision inputs of the contract's float32 ops to float32.
+
+    Pushed by an enabled unified autocast block with ``contract=True`` (and popped by a
+    nested block that turns the contract off). Active only where torch's autocast is on
+    for the tensor's device, as a kernel on torch's Autocast key would be.
     """
 
-    def __init__(self) -> None:
-        self.stack: list[bool] = []
-
-    @property
-    def on(self) -> bool:
-        return bool(self.stack) and self.stack[-1]
-
-
-_policy = _Policy()
-_library: torch.library.Library | None = None
-_installed: set[str] = set()  # device types whose kernels are registered
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        where = _FP32.get(func)
+        if where:
+            args = tuple(_up(a, where) for a in args)
+            kwargs = {k: v if k == "out" else _up(v, where) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
-def _fp32_kernel(op: Any, key: str) -> Callable[..., Any]:
-    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        if _policy.on:
-            args = tuple(
-                a.float() if isinstance(a, torch.Tensor) and a.dtype in LOW else a
-                for a in args
-            )
-        with torch._C._ExcludeDispatchKeyGuard(excluded):
-            return op(*args, **kwargs)
-
-    return kernel
+# One instance serves every block: dynamo guards on the stack's mode types, and the
+# mode keeps no state.
+CONTRACT = ContractMode()
 
 
-def _install_policy(device_type: str) -> None:
-    """Registers the float32 kernels for one device type, once per process."""
-    global _library
-    if device_type in _installed:
-        return
-    _installed.add(device_type)
-    key = _AUTOCAST_KEYS[device_type]
-    if _library is None:
-        _library = torch.library.Library("aten", "IMPL")
-    for name in _FP32_OPS:
-        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
-            continue
-        base, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, base), overload or "default")
-        _library.impl(name, _fp32_kernel(op, key), key)
+class _Autocast(torch.amp.autocast_mode.autocast):
+    """``torch.autocast``, under a name dynamo does not special-case.
+
+    Dynamo traces ``torch.autocast`` only as the subject of a ``with`` statement; the
+    unified block enters and exits in two calls, so it enters this subclass, whose
+    ``__enter__``/``__exit__`` (torch's own) dynamo inlines into the autocast state
+    switches it tracks.
+    """
+
+
+def _top_is_contract() -> bool:
+    n = torch._C._len_torch_function_stack()
+    return n > 0 and isinstance(torch._C._get_function_stack_at(n - 1), ContractMode)
+
+
+def _enter(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
+           contract: bool) -> tuple[list[Any], str]:
+    """Enters torch's autocast on each device, then sets the contract for the block.
+
+    Returns the token ``_exit`` takes: the autocast contexts and what was done to the
+    mode stack ("pushed", "popped" or "").
+    """
+    contexts = []
+    for dev, dtype in zip(devs, dtypes):
+        ctx = _Autocast(dev, dtype=dtype, enabled=enabled)
+        ctx.__enter__()
+        contexts.append(ctx)
+    want = enabled and contract
+    action = ""
+    if want and not _top_is_contract():
+        torch._C._push_on_torch_function_stack(CONTRACT)
+        action = "pushed"
+    elif not want and _top_is_contract():
+        # A block that turns the contract off inside one that has it.
+        torch._C._pop_torch_function_stack()
+        action = "popped"
+    return contexts, action
+
+
+def _exit(token: tuple[list[Any], str]) -> None:
+    """Undoes ``_enter``: the mode stack first, then autocast, innermost first."""
+    contexts, action = token
+    lost = [ctx.device for ctx in contexts
+            if torch.is_autocast_enabled(ctx.device) != ctx._enabled
+            or (ctx._enabled and torch.get_autocast_dtype(ctx.device) != ctx.fast_dtype)]
+    if action == "pushed" and _top_is_contract():
+        torch._C._pop_torch_function_stack()
+    elif action == "popped":
+        torch._C._push_on_torch_function_stack(CONTRACT)
+    if not lost:
+        for ctx in reversed(contexts):
+            ctx.__exit__(None, None, None)
+    else:  # their entry never took effect here: exiting would unbalance torch's nesting
+        torch.clear_autocast_cache()  # no weight cast made in the broken block is reused
+        # What a graph break inside the block does under torch.compile: dynamo compiles
+        # the block's entry into a graph of its own, whose autocast switches AOTAutograd
+        # drops, and resumes the body without autocast. Say so before the body's results
+        # can reach a backward or an optimizer.
+        raise RuntimeError(
+            f"amp.autocast was not in force on {', '.join(lost)} when its block ended:"
+            f" under torch.compile this is a graph break inside the amp.autocast block,"
+            f" which dynamo cannot resume inside a user-defined context manager. Move what"
+            f" breaks the graph (print, .item(), an unsupported call) out of the block,"
+            f" compile with fullgraph=True to find it, or enter the block outside the"
+            f" compiled function (docs/COMPILE.md).")
 
 
 class Autocasting(interface.Autocasting):
@@ -96,22 +182,12 @@ class Autocasting(interface.Autocasting):
 
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
                        contract: bool = True) -> Any:
-        contexts = []
-        for dev in devices(device):
-            if enabled and contract:
-                _install_policy(dev)
-            ctx = torch.autocast(
-                dev, dtype=DTYPES[dtype or default_dtype(dev)], enabled=enabled
-            )
-            ctx.__enter__()
-            contexts.append(ctx)
-        _policy.stack.append(enabled and contract)
-        return contexts
+        devs = devices(device)
+        return _enter(devs, [DTYPES[dtype or default_dtype(dev)] for dev in devs], enabled,
+                      contract)
 
     def exit_autocast(self, token: Any) -> None:
-        _policy.stack.pop()
-        for ctx in reversed(token):
-            ctx.__exit__(None, None, None)
+        _exit(token)
 
     def is_autocast_enabled(self) -> bool:
         return any(torch.is_autocast_enabled(dev) for dev in devices(None))

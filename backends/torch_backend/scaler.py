@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import defaultdict
 from typing import Any, Sequence, cast
 
@@ -25,8 +27,35 @@ class NativeScaler(interface.NativeScalerClass):
         return TorchCudaGradScaler if cuda else TorchGradScaler
 
 
+# The scaler's public methods keep host state (the scale as a Python float, the ledger,
+# per-optimizer stages) and read device flags: inside a function that torch.compile
+# traces they run eagerly, as dynamo runs torch.amp.GradScaler's host reads, instead of
+# being traced into a graph whose side effects dynamo would replay out of order (the
+# fused optimizers' grad_scale attribute, set and deleted around opt.step()).
+_HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get_scale",
+              "stats", "state_dict", "load_state_dict", "watch", "last_overflow")
+
+
+def _run_eagerly(cls: type) -> type:
+    def eager(name: str) -> Any:
+        # The core's method looked up at call time (a patched or overridden one too).
+        @functools.wraps(getattr(GradScaler, name))
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(super(cls, self), name)(*args, **kwargs)
+        return torch.compiler.disable(method)
+
+    for name in _HOST_SIDE:
+        setattr(cls, name, eager(name))
+    factor = cast(property, inspect.getattr_static(GradScaler, "scale_factor"))
+    cls.scale_factor = property(  # type: ignore[attr-defined]
+        torch.compiler.disable(factor.fget), torch.compiler.disable(factor.fset),
+        doc=factor.__doc__)
+    return cls
+
+
 # torch.amp's class declares _device as a str; the core's may be None (no device given).
 # torch.amp's methods that would read it are all the core's here.
+@_run_eagerly
 class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
     """``unified_amp.GradScaler`` on the torch backend; also a ``torch.amp.GradScaler``.
 
@@ -35,6 +64,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
     (docs/DROP_IN.md lists them); each is derived on demand from the core's state, read
     through ``self.adapter_view`` only (the members the core declares for adapters:
     unified_amp.scaler.AdapterView).
+    Its public methods run eagerly inside ``torch.compile`` (``_HOST_SIDE``).
     """
 
     def _device_scale(self) -> TorchDeviceScale | None:

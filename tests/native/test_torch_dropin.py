@@ -101,9 +101,10 @@ def test_native_state_dict_loads_into_ours_and_back():
     assert again.state_dict() == native.state_dict()
 
 
-def test_swapping_only_the_scaler_leaves_torch_autocast_dispatch_untouched():
-    """The dtype-contract kernels arrive with the first unified autocast block, never
-    with the scaler, so a drop-in user's torch.autocast runs exactly torch's code."""
+def test_unified_amp_never_touches_torch_autocast_dispatch():
+    """The dtype contract lives on torch's function-mode stack, not in torch's dispatcher:
+    neither the scaler nor an enabled unified block registers a kernel, so plain
+    torch.autocast keeps torch's exact dispatch path and dtypes, before and after."""
     import os
     import subprocess
     import sys
@@ -113,6 +114,10 @@ def test_swapping_only_the_scaler_leaves_torch_autocast_dispatch_untouched():
         import torch, unified_amp as amp
         has = lambda: torch._C._dispatch_has_kernel_for_dispatch_key(
             "aten::softmax.int", "AutocastCPU")
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        def native():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return str(x.softmax(-1).dtype)
         scaler = amp.GradScaler("cpu")
         w = torch.nn.Parameter(torch.ones(3))
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -120,15 +125,16 @@ def test_swapping_only_the_scaler_leaves_torch_autocast_dispatch_untouched():
         scaler.scale(loss).backward()
         scaler.step(torch.optim.SGD([w], lr=0.1))
         scaler.update()
-        before = has()
+        before = has(), native()
         with amp.autocast(dtype="bfloat16"):
-            pass
-        print(before, has())
+            ours = str(x.softmax(-1).dtype)
+        print(*before, ours, has(), native())
     """)
     env = dict(os.environ, UNIFIED_AMP_BACKEND="torch")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
-    assert proc.stdout.split() == ["False", "True"], proc.stderr
+    assert proc.stdout.split() == ["False", "torch.bfloat16", "torch.float32", "False",
+                                   "torch.bfloat16"], proc.stderr
 
 
 def test_scale_history_matches_torch_amp_through_underflow():
