@@ -149,6 +149,13 @@ def _exit(token: tuple[list[Any], str]) -> None:
         for ctx in reversed(contexts):
             ctx.__exit__(None, None, None)
     else:  # their entry never took effect here: exiting would unbalance torch's nesting
+        # Dynamo ran the entries inside a graph of their own and never their exits: take
+        # back the nesting they left (never below zero), or torch would not clear its
+        # weight-cast cache at the end of any later autocast block in this process.
+        current = torch.autocast_increment_nesting() - 1
+        torch.autocast_decrement_nesting()
+        for _ in range(min(2 * len(contexts), current)):
+            torch.autocast_decrement_nesting()
         torch.clear_autocast_cache()  # no weight cast made in the broken block is reused
         # What a graph break inside the block does under torch.compile: dynamo compiles
         # the block's entry into a graph of its own, whose autocast switches AOTAutograd
