@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +27,7 @@ import numpy as np
 
 import unified_amp as amp
 
-from .timing import spread
+from .timing import interleaved, spread
 
 _OUT = Path(__file__).resolve().parent / "results" / "pinning"
 
@@ -89,18 +88,8 @@ def _steps(s: dict[str, Any]) -> dict[str, Callable[[], float]]:
 
 def _interleave(variants: dict[str, Callable[[], Any]], rounds: int, steps: int,
                 warmup: int) -> dict[str, list[float]]:
-    names = list(variants)
-    for name in names:
-        for _ in range(warmup):
-            variants[name]()
-    out: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                variants[name]()
-            out[name].append((time.perf_counter() - t0) / steps)
-    return out
+    times = interleaved(variants, warmup=warmup, rounds=rounds, steps=steps)
+    return {name: t["per_round"] for name, t in times.items()}
 
 
 def main() -> None:

@@ -16,36 +16,40 @@ def spread(values: list[float]) -> dict[str, float]:
             "min": float(a.min()), "max": float(a.max()), "n": int(a.size)}
 
 
-def interleaved(variants: dict[str, Callable[[], Any]], kit: Any, *, warmup: int,
-                rounds: int, steps: int, progress: Any) -> dict[str, dict[str, Any]]:
+def interleaved(variants: dict[str, Callable[[], Any]], kit: Any = None, *, warmup: int,
+                rounds: int, steps: int, progress: Any = None) -> dict[str, dict[str, Any]]:
     """Times each variant for ``steps`` steps per round, over ``rounds`` rounds.
 
     The order within a round is rotated by one each round, so that no variant always
     runs first (after the others' memory traffic) or last. Each step reads its loss,
-    which synchronises the device and surfaces asynchronous kernel errors.
+    which synchronises the device and surfaces asynchronous kernel errors. Without a
+    ``kit`` (host-side work only) steps are neither read nor synchronised.
 
     Returns:
         name -> {"per_round": seconds per step in each round, "losses": the loss read at
         the end of each round}.
     """
+    read = kit.read if kit is not None else (lambda value: value)
+    sync = kit.synchronize if kit is not None else (lambda: None)
+    tick = progress.update if progress is not None else (lambda n: None)
     names = list(variants)
     out = {n: {"per_round": [], "losses": []} for n in names}
     for name in names:
         for _ in range(warmup):
-            kit.read(variants[name]())
-        progress.update(warmup)
+            read(variants[name]())
+        tick(warmup)
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             step = variants[name]
-            kit.synchronize()
+            sync()
             t0 = time.perf_counter()
             for _ in range(steps):
-                value = kit.read(step())
-            kit.synchronize()
+                value = read(step())
+            sync()
             out[name]["per_round"].append((time.perf_counter() - t0) / steps)
             out[name]["losses"].append(value)
-            progress.update(steps)
+            tick(steps)
     return out
 
 
