@@ -170,6 +170,32 @@ def _exit(token: tuple[list[Any], str]) -> None:
             f" compiled function (docs/COMPILE.md).")
 
 
+def _dynamo_traces_autocast_switches() -> bool:
+    """Whether dynamo records torch's autocast state switches as graph operations.
+
+    Torch added that in "[dynamo] Support tracing _enter_autocast and _exit_autocast"
+    (pytorch#173877, after 2.7); before it dynamo skips ``autocast_increment_nesting``
+    and a block entered in two calls cannot be traced (torch 2.7 fails or crashes in
+    dynamo). There the block's entry and exit run eagerly instead: dynamo breaks the
+    graph at them and compiles the body's calls with autocast and the contract already
+    in force, which it guards on.
+    """
+    try:
+        from torch._dynamo import trace_rules
+        from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+        return trace_rules.lookup(torch.autocast_increment_nesting) is TorchInGraphFunctionVariable
+    except Exception:  # dynamo's internals moved: take the safe, eager path
+        return False
+
+
+#: Whether ``amp.autocast`` traces whole under ``torch.compile(fullgraph=True)``; read
+#: at each entry (dynamo guards on it), so a test can take the other path.
+TRACEABLE = _dynamo_traces_autocast_switches()
+_enter_eagerly = torch.compiler.disable(_enter)
+_exit_eagerly = torch.compiler.disable(_exit)
+
+
 class Autocasting(interface.Autocasting):
     """Switching autocast on and off, and which precisions a device computes."""
 
@@ -190,11 +216,12 @@ class Autocasting(interface.Autocasting):
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
                        contract: bool = True) -> Any:
         devs = devices(device)
-        return _enter(devs, [DTYPES[dtype or default_dtype(dev)] for dev in devs], enabled,
-                      contract)
+        enter = _enter if TRACEABLE else _enter_eagerly
+        return enter(devs, [DTYPES[dtype or default_dtype(dev)] for dev in devs], enabled,
+                     contract)
 
     def exit_autocast(self, token: Any) -> None:
-        _exit(token)
+        (_exit if TRACEABLE else _exit_eagerly)(token)
 
     def is_autocast_enabled(self) -> bool:
         return any(torch.is_autocast_enabled(dev) for dev in devices(None))

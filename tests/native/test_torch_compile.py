@@ -17,6 +17,15 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import unified_amp as amp
+from unified_amp.backends.torch_backend import autocast as torch_autocast
+
+# Tracing a unified block whole needs a dynamo that records autocast's state switches
+# (after torch 2.7). Where it cannot, the block's entry and exit run eagerly;
+# test_where_dynamo_cannot_trace_autocast_the_block_is_entered_eagerly covers that path
+# on every torch.
+needs_traceable = pytest.mark.skipif(
+    not torch_autocast.TRACEABLE,
+    reason=f"torch {torch.__version__}'s dynamo cannot trace autocast's state switches")
 
 BF16 = torch.bfloat16
 CAST = torch.ops.aten._to_copy.default  # a dtype cast, as AOTAutograd traces it
@@ -144,6 +153,7 @@ def native_graphs():
     return rec
 
 
+@needs_traceable
 @pytest.mark.parametrize("contract", [False, True], ids=["contract off", "contract on"])
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_compiles_whole_into_torch_autocasts_graphs(form, contract, native_graphs):
@@ -179,6 +189,7 @@ def test_every_form_compiles_whole_into_torch_autocasts_graphs(form, contract, n
     assert (torch.ops.aten._log_softmax.default, BF16) in native
 
 
+@needs_traceable
 def test_nested_blocks_trace_whole_and_keep_their_own_rules():
     """A contract block around a contract=False block and an enabled=False block: each
     region computes as it does eagerly, in one graph."""
@@ -206,6 +217,7 @@ def test_nested_blocks_trace_whole_and_keep_their_own_rules():
     assert torch._C._len_torch_function_stack() == 0
 
 
+@needs_traceable
 def test_a_graph_break_inside_a_block_raises_rather_than_losing_autocast():
     """dynamo cannot resume a graph break inside a user-defined context manager: it
     compiles the block's entry alone (AOTAutograd drops its autocast switches) and runs
@@ -228,6 +240,7 @@ def test_a_graph_break_inside_a_block_raises_rather_than_losing_autocast():
     assert leaked == 0
 
 
+@needs_traceable
 def test_first_use_of_the_library_can_be_inside_a_compiled_function():
     """A fresh interpreter whose first unified_amp call is traced: choosing and loading
     the backend happens outside the trace, and the function still compiles whole."""
@@ -299,6 +312,30 @@ def _run_in_order(order, backend, reset, shape, forms=("around", "inside", "arou
                          ids=["native first", "unified first"])
 def test_each_side_gets_its_own_dtypes_in_one_process(order, reset):
     _run_in_order(order, Recorder(), reset, (8, 8))
+
+
+def test_where_dynamo_cannot_trace_autocast_the_block_is_entered_eagerly(monkeypatch):
+    """The path taken on a dynamo that cannot trace autocast's switches (torch 2.7):
+    fullgraph=True refuses the block, and without it the block's entry and exit run
+    eagerly while its body compiles with each side's own dtypes, in either order."""
+    monkeypatch.setattr(torch_autocast, "TRACEABLE", False)
+    model, (x, y) = net(), data()
+
+    def unified_loss(model, x, y):
+        with amp.autocast(dtype=BF16):
+            return loss_of(model, x, y)
+
+    with pytest.raises(Exception, match="(?i)disable|skip"):
+        torch.compile(unified_loss, backend="aot_eager", fullgraph=True)(model, x, y)
+    torch._dynamo.reset()
+    rec = Recorder()
+    torch.compile(unified_loss, backend=rec)(model, x, y)
+    assert rec.dynamo, "the block's body compiled"
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch._C._len_torch_function_stack() == 0
+    torch._dynamo.reset()
+    for order in (("native", "unified"), ("unified", "native")):
+        _run_in_order(order, Recorder(), False, (8, 8))
 
 
 def test_each_side_gets_its_own_dtypes_with_inductor_after_a_reset():
