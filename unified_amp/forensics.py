@@ -433,6 +433,8 @@ class Reader:
     def passed(self) -> None:
         """This reader is done with every flag recorded so far."""
         self.since = next(_clock)
+        if not _traces:  # nothing recorded anywhere: skip the readers' horizon (per step)
+            return
         horizon = min(reader.since for reader in _readers)
         for trace in traces():
             trace._drop_before(horizon)
