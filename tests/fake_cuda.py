@@ -210,6 +210,21 @@ def fake_cuda(value=0):
             torch.cuda, "Event", lambda *a, **k: FakeEvent(fake, *a, **k)))
         stack.enter_context(mock.patch.object(
             torch.cuda, "synchronize", lambda *a, **k: fake.syncs.count("synchronize()")))
+        # bypass 3 again: older torch (2.7) makes a real CUDA tensor the first time fake
+        # mode sees a CUDA device when is_available() answers True (1); a CUDA build
+        # then fails with "no NVIDIA driver". Newer torch asks the accelerator instead.
+        stack.enter_context(mock.patch.object(
+            torch._subclasses.fake_tensor, "init_gpu_context", lambda device: None))
+        if torch.backends.cuda.is_built():
+            # bypass 3 on a CUDA build of torch without a driver (make test-oldest): with
+            # is_available() True (1), an optimizer's step asks the CUDA runtime whether a
+            # graph is being captured, and fake convolution asks it for a conv backend
+            # (which only picks a memory format, never a dtype). Neither may reach it.
+            stack.enter_context(mock.patch.object(
+                torch.cuda, "is_current_stream_capturing", lambda: False))
+            stack.enter_context(mock.patch.object(
+                torch._C, "_select_conv_backend",
+                lambda *a, **k: torch._C._ConvBackend.Slow2d))
         stack.enter_context(torch.no_grad())  # bypass 5
         if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_sgd_", "Meta"):
             meta = torch.library.Library("aten", "IMPL")  # bypass 9, undone on exit
