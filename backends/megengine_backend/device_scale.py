@@ -27,8 +27,6 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-import numpy as np
-
 import megengine
 import megengine.functional as F
 from megengine.functional.math import _check_non_finite
@@ -37,15 +35,7 @@ from megengine.jit import tracing as _tracing
 
 from unified_amp import interface
 
-
-def _f32_grads(grads: Sequence[Any]) -> None:
-    for g in grads:
-        if g.dtype != np.float32:
-            raise ValueError(
-                f"MegEngine's fused _check_non_finite checks float32 gradients only; got a"
-                f" {np.dtype(g.dtype).name} gradient of shape {tuple(g.shape)}. Keep"
-                f" parameters in float32 and let autocast cast the compute."
-            )
+from .scaling import require_float32
 
 
 class DeviceScale(interface.TracedScale):
@@ -83,7 +73,7 @@ class DeviceScale(interface.TracedScale):
 
     def check(self, grads: Sequence[Any]) -> list[Any]:
         """The overflow flag of ``grads`` as they are (one fused kernel)."""
-        _f32_grads(grads)
+        require_float32(grads)
         # The kernel rewrites its inputs with its outputs (times 1.0 here: the same values).
         return [_check_non_finite(list(grads), 1.0)]
 

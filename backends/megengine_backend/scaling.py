@@ -16,6 +16,18 @@ from unified_amp import interface
 from .basics import dtype_name
 
 
+def require_float32(grads: Sequence[Any]) -> None:
+    """Raises ValueError for a gradient MegEngine's fused ``_check_non_finite`` cannot
+    take: it checks and unscales float32 gradients only."""
+    for g in grads:
+        if g.dtype != np.float32:
+            raise ValueError(
+                f"MegEngine's fused _check_non_finite checks float32 gradients only; got a"
+                f" {dtype_name(g.dtype)} gradient of shape {tuple(g.shape)}. Keep"
+                f" parameters in float32 and let autocast cast the compute."
+            )
+
+
 class LossScaling(interface.LossScaling):
     """Multiplying by the scale as megengine.amp does, and the fused check."""
 
@@ -30,14 +42,9 @@ class LossScaling(interface.LossScaling):
         return [dy * scale for dy in dys]
 
     def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
+        require_float32(grads)
         by_device: dict[Any, list[Any]] = defaultdict(list)  # CompNode -> gradients
         for g in grads:
-            if g.dtype != np.float32:
-                raise ValueError(
-                    f"MegEngine's fused _check_non_finite unscales float32 gradients only;"
-                    f" got a {dtype_name(g.dtype)} gradient of shape {tuple(g.shape)}."
-                    f" Keep parameters in float32 and let autocast cast the compute."
-                )
             by_device[g.device].append(g)
         # One fused kernel per device; it unscales in place and returns an int32 flag.
         flags = [_check_non_finite(same, inv_scale) for same in by_device.values()]
