@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The real-GPU half of the suite (docs/GPU.md, "runbook"): run from the repository root on a
+# machine with a CUDA GPU and a CUDA build of torch, no network needed. Everything it prints
+# also goes to $OUT (default gpu-output/): env.txt, pytest.log, junit.xml, bench.log and the
+# benchmark's JSON. Each step has a time cap so that one call fits a short GPU lease.
+#   PY=python3 OUT=gpu-output PYTEST_WORKERS=8 PYTEST_ARGS=... BENCH_ARGS=--quick bash tests/run_gpu_half.sh
+set -uo pipefail
+PY=${PY:-python3}
+OUT=${OUT:-gpu-output}
+WORKERS=${PYTEST_WORKERS:-8}
+mkdir -p "$OUT"
+export UNIFIED_AMP_BACKEND=torch PYTHONUNBUFFERED=1
+
+{
+  date -u
+  nvidia-smi -L || true
+  "$PY" -c 'import torch, numpy, sys; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "numpy", numpy.__version__); print(torch.cuda.get_device_name(0))'
+} 2>&1 | tee "$OUT/env.txt"
+
+# The adapters install as unified_amp.backends (package-dir), so the package must be
+# installed, not just on sys.path; with no network, no build isolation and no dependencies.
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3 | tee -a "$OUT/env.txt"
+
+# The whole suite but the runners (their own environments, tests/integrations): on a GPU
+# the "cuda" parametrizations of tests/contract run instead of skipping, and
+# tests/native/test_torch_cuda_syncs.py counts the real host syncs.
+xdist=()
+if "$PY" -c 'import xdist' 2>/dev/null && [ "$WORKERS" != 0 ]; then xdist=(-n "$WORKERS"); fi
+# Each failure is written to failures.txt as it happens (tests/live_failures.py): a run cut
+# off by its cap still names what failed and why.
+LIVE_FAILURES="$OUT/failures.txt" timeout "${PYTEST_CAP:-330}" "$PY" -m pytest tests \
+  --ignore tests/integrations -q -rs -p no:cacheprovider -p tests.live_failures "${xdist[@]}" --junitxml "$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
+echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
+
+# The H100 figures: AMP against fp32 throughput, the scaler's overhead against torch.amp's.
+timeout "${BENCH_CAP:-150}" "$PY" -m benchmarks.bench --device cuda --out "$OUT" ${BENCH_ARGS:---quick} 2>&1 \
+  | tee "$OUT/bench.log"
+echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
