@@ -36,6 +36,8 @@ VENV_integrations-megengine := .venv-integrations-megengine
 # They get environments of their own so that `make test`'s stay what users install:
 # Enchanter goes in without its declared dependencies (it pins scikit-learn<0.25, which has
 # no CPython 3.11 wheel, and numpy<2), and basecore's wheel brings a top-level `tests`.
+# Each is an overlay on the backend's test environment (see `overlay` below), so torch and
+# MegEngine (1.4 and 2.3 GB installed) are on disk once, not twice.
 RUNNERS_torch := pytorch-lightning lightning-fabric pytorch-ignite accelerate tensorboard
 RUNNERS_NODEPS_torch := enchanter
 RUNNERS_megengine := basecore
@@ -61,6 +63,25 @@ BAD_TEST := $(firstword $(filter-out $(ALL_BACKENDS),$(TEST_BACKENDS)))
 pip_install = echo '$(1)/bin/pip install $(2)'; \
 	set -o pipefail; { $(1)/bin/python -m pip install --progress-bar on $(2) \
 	2>&1 1>&3 | { grep --line-buffered -v "Location 'file:.*' is ignored" || true; } >&2; } 3>&1
+
+# An overlay environment: a fresh venv whose site-packages adds the base environment's
+# (site.addsitedir in a .pth file, so the base's own .pth files, its editable install
+# among them, apply as well) after its own. pip counts the base's packages as installed,
+# so it puts only what the overlay adds, or pins to another version, into the overlay,
+# which comes first on sys.path; the base environment is never written to. The
+# integrations constraints repeat the base's pins, so in practice only the runners and
+# what they pull in are installed. CI once failed on a full disk with two full copies.
+# $(1): the python to make the venv with, $(2): the base environment, $(3): the overlay.
+overlay = $(1) -m venv $(3) && \
+	base="$$($(2)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" && \
+	own="$$($(3)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" && \
+	echo "import site; site.addsitedir('$$base')" > "$$own/zz-unified-amp-base-environment.pth" && \
+	$(3)/bin/python -c 'import sys; base = sys.argv[1]; assert base in sys.path, "the overlay does not see " + base' "$$base"
+
+# The overlay $(1) must import $(2) from its base $(3): a second copy means the pins
+# drifted apart and the disk holds the framework twice.
+from_base = $(1)/bin/python -c 'import sys, $(2) as m; sys.exit(None if "/$(3)/" in m.__file__ else \
+	"$(1) imports $(2) from " + m.__file__ + ", not from $(3): keep constraints/integrations-*.txt on the base pins")'
 
 # MegEngine's CUDA stub prints a banner and "failed to load cuda func" lines from C,
 # whatever MegEngine's log level (MEGENGINE_LOGGING_LEVEL quiets only its Python
@@ -89,19 +110,21 @@ $(VENV_torch-oldest)/.ready: pyproject.toml constraints/torch-oldest.txt
 	@$(call pip_install,$(VENV_torch-oldest),-c constraints/torch-oldest.txt -e ".[$(EXTRAS_torch)]")
 	@touch $@
 
-$(VENV_integrations-torch)/.ready: pyproject.toml constraints/integrations-torch.txt
-	@echo ">>> setting up $(VENV_integrations-torch) with $(PY_TORCH) (torch and the torch runners; about 1.5 min the first time)"
-	@test -n "$(PY_TORCH)" || { echo "no python3 found: set PY_TORCH=/path/to/python3.11"; exit 1; }
-	$(PY_TORCH) -m venv $(VENV_integrations-torch)
+$(VENV_integrations-torch)/.ready: $(VENV_torch)/.ready pyproject.toml constraints/integrations-torch.txt
+	@echo ">>> setting up $(VENV_integrations-torch) over $(VENV_torch) (the torch runners; about 1 min the first time)"
+	rm -rf $(VENV_integrations-torch)
+	$(call overlay,$(PY_TORCH),$(VENV_torch),$(VENV_integrations-torch))
 	@$(call pip_install,$(VENV_integrations-torch),-c constraints/integrations-torch.txt -e ".[$(EXTRAS_integrations-torch)]" $(RUNNERS_torch))
 	@$(call pip_install,$(VENV_integrations-torch),--no-deps -c constraints/integrations-torch.txt $(RUNNERS_NODEPS_torch))
+	@$(call from_base,$(VENV_integrations-torch),torch,$(VENV_torch))
 	@touch $@
 
-$(VENV_integrations-megengine)/.ready: pyproject.toml constraints/integrations-megengine.txt
-	@echo ">>> setting up $(VENV_integrations-megengine) with $(PY_MGE) (MegEngine and basecore; about 3 min the first time)"
-	@test -n "$(PY_MGE)" || { echo "CPython 3.10 not found (MegEngine needs 3.8-3.10, unified_amp >= 3.10): set PY_MGE=/path/to/python3.10, or run only torch: make test-integrations BACKENDS=torch"; exit 1; }
-	$(PY_MGE) -m venv $(VENV_integrations-megengine)
+$(VENV_integrations-megengine)/.ready: $(VENV_megengine)/.ready pyproject.toml constraints/integrations-megengine.txt
+	@echo ">>> setting up $(VENV_integrations-megengine) over $(VENV_megengine) (basecore; under a minute the first time)"
+	rm -rf $(VENV_integrations-megengine)
+	$(call overlay,$(PY_MGE),$(VENV_megengine),$(VENV_integrations-megengine))
 	@$(call pip_install,$(VENV_integrations-megengine),-c constraints/integrations-megengine.txt -e ".[$(EXTRAS_integrations-megengine)]" $(RUNNERS_megengine))
+	@$(call from_base,$(VENV_integrations-megengine),megengine,$(VENV_megengine))
 	@touch $@
 
 env-torch: $(VENV_torch)/.ready
