@@ -142,14 +142,17 @@ class ScalerSurface(ScalerState):
 
     # -- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch.amp's keys, plain Python numbers, loadable by either backend.
+        """torch.amp's keys, plain Python numbers, loadable by either backend; on
+        MegEngine also "scale_factor", so megengine.amp's scaler can load it too.
         Empty when disabled (as torch.amp)."""
         if not self._enabled:
             return {}
         self._refuse_in_trace("GradScaler.state_dict()", "read")
         self._sync_from_device()
+        aliases = self._be().scale_key_aliases
         return {
             "scale": self._scale_value,
+            **{alias: self._scale_value for alias in aliases},
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,

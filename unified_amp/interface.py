@@ -111,6 +111,11 @@ class Gradients(Protocol):
 class LossScaling(Protocol):
     """Scaling by the loss scale, and the fused check-and-unscale with its flag."""
 
+    # The framework's own scaler's names for state_dict()'s "scale" entry, written beside
+    # it so that scaler can resume from a unified_amp checkpoint (megengine.amp reads
+    # "scale_factor"); empty where the framework reads "scale" itself.
+    scale_key_aliases: tuple[str, ...]
+
     def scale(self, y: Any, scale: float) -> Any:
         """``y`` times the loss scale, as the framework's own scaler would compute it."""
 

@@ -31,6 +31,8 @@ def require_float32(grads: Sequence[Any]) -> None:
 class LossScaling(interface.LossScaling):
     """Multiplying by the scale as megengine.amp does, and the fused check."""
 
+    scale_key_aliases: tuple[str, ...] = ("scale_factor",)
+
     def scale(self, y: Any, scale: float) -> Any:
         return y * scale
 

@@ -61,6 +61,8 @@ def by_device(flags: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]
 class LossScaling(interface.LossScaling):
     """Multiplying by the scale as torch.amp does, and the fused check of the gradients."""
 
+    scale_key_aliases: tuple[str, ...] = ()
+
     _scale_cache: dict[torch.device, tuple[float, torch.Tensor]]
 
     def _scale_tensor(self, scale: float, device: torch.device) -> torch.Tensor:

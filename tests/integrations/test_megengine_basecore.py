@@ -161,10 +161,12 @@ def run(GradScaler, tmp_path, accumulate=1, clip=None):
 
 
 def as_megengine_saves(state):
-    """unified_amp's state_dict uses torch.amp's key names on both backends ("scale"
-    where megengine.amp says "scale_factor", docs/DROP_IN.md) so that checkpoints move
-    between frameworks. Renamed in place, the dict must pickle to megengine.amp's bytes."""
-    return {("scale_factor" if k == "scale" else k): v for k, v in state.items()}
+    """unified_amp's state_dict holds torch.amp's "scale" first, then megengine.amp's
+    "scale_factor" and the rest (docs/DROP_IN.md), so that checkpoints move between
+    frameworks and back to megengine.amp. Without "scale" the dict must pickle to
+    megengine.amp's bytes."""
+    assert state["scale"] == state["scale_factor"]
+    return {k: v for k, v in state.items() if k != "scale"}
 
 
 def assert_same(native, ours):

@@ -177,3 +177,19 @@ def test_contract_false_reproduces_megengine_autocast_bit_for_bit():
     plain = run(lambda: unified_amp.autocast(dtype="float16", contract=False))
     assert plain == native
     assert contract != native  # softmax and sum run in float32 under the contract
+
+
+def test_checkpoints_move_both_ways_between_the_scalers():
+    """A drop-in can be taken out again: megengine.amp resumes from unified_amp's
+    state_dict (it reads "scale_factor"), and unified_amp from megengine.amp's, each
+    continuing with the other's scale, growth settings and tracker."""
+    ours = OURS()
+    ours.load_state_dict({"scale": 2.0**7, "growth_factor": 4.0, "backoff_factor": 0.25,
+                          "growth_interval": 3, "_growth_tracker": 2})
+    native = NATIVE()
+    native.load_state_dict(ours.state_dict())
+    assert (native.scale_factor, native.growth_factor, native.backoff_factor,
+            native.growth_interval, native._growth_tracker) == (2.0**7, 4.0, 0.25, 3, 2)
+    back = OURS()
+    back.load_state_dict(native.state_dict())
+    assert back.state_dict() == ours.state_dict()
