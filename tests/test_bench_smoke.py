@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import unified_amp as amp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,3 +49,23 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path):
             assert levels["O2"]["bytes_vs_O0"] == 1.25
             o3_masters = levels["O3"]["properties"]["master_weights"]
             assert levels["O3"]["bytes_vs_O0"] == (1.25 if o3_masters else 0.5)
+
+
+def test_quick_compile_benchmark_runs_every_variant(tmp_path):
+    """benchmarks/compile.py (torch only): every variant, eager and compiled with
+    fullgraph=True, trains and is timed; the JSON holds each ratio the docs quote."""
+    if amp.get_backend().name != "torch":
+        pytest.skip("torch.compile is torch's; MegEngine's trace has benchmarks/trace_megengine.py")
+    env = dict(os.environ, UNIFIED_AMP_BACKEND="torch", MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile", "--quick",
+                           "--workloads", "transformer", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "torch-cpu-compile-quick.json").read_text())
+    workload = result["workloads"]["transformer"]
+    steps = workload["step_ms_median"]
+    assert len(steps) == 8 and all(math.isfinite(v) and v > 0 for v in steps.values()), steps
+    assert set(workload["first_call_s (compiles)"]) == {
+        name for name in steps if name.endswith(", compiled")}
+    for name, ratio in workload["ratios"].items():
+        assert 0.05 < ratio["median"] < 20, (name, ratio)
