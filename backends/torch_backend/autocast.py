@@ -164,10 +164,12 @@ def _exit(token: tuple[list[Any], str]) -> None:
         raise RuntimeError(
             f"amp.autocast was not in force on {', '.join(lost)} when its block ended:"
             f" under torch.compile this is a graph break inside the amp.autocast block,"
-            f" which dynamo cannot resume inside a user-defined context manager. Move what"
-            f" breaks the graph (print, .item(), an unsupported call) out of the block,"
-            f" compile with fullgraph=True to find it, or enter the block outside the"
-            f" compiled function (docs/COMPILE.md).")
+            f" which dynamo cannot resume inside a user-defined context manager, or an"
+            f" amp.autocast object made outside the compiled function and entered inside"
+            f" it. Move what breaks the graph (print, .item(), an unsupported call) out of"
+            f" the block (compile with fullgraph=True to find it); make the amp.autocast"
+            f" object inside the compiled function, or use it as a decorator; or enter the"
+            f" block outside the compiled function (docs/COMPILE.md).")
 
 
 def _dynamo_traces_autocast_switches() -> bool:

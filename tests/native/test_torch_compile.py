@@ -240,6 +240,29 @@ def test_a_graph_break_inside_a_block_raises_rather_than_losing_autocast():
     assert leaked == 0
 
 
+@needs_traceable  # else the block's entry and exit run eagerly, and the body is compiled
+def test_a_block_object_made_outside_the_compiled_function_raises_naming_that():
+    """dynamo enters only context managers made inside the compiled region (torch.autocast
+    objects excepted): an amp.autocast object made outside is refused with fullgraph=True,
+    and without it the entry runs in a graph of its own, so the exit raises with the fix."""
+    def made_outside():
+        ctx = amp.autocast(dtype=BF16)
+
+        def f(x):
+            with ctx:
+                return x @ x
+        return f
+
+    with pytest.raises(RuntimeError, match="made outside the compiled function"):
+        torch.compile(made_outside(), backend="aot_eager")(torch.randn(4, 4))
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch._C._len_torch_function_stack() == 0
+    torch._dynamo.reset()  # else the same code runs from the first compile's cache
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="context manager"):
+        torch.compile(made_outside(), backend="aot_eager", fullgraph=True)(torch.randn(4, 4))
+    assert not torch.is_autocast_enabled("cpu")
+
+
 @needs_traceable
 def test_first_use_of_the_library_can_be_inside_a_compiled_function():
     """A fresh interpreter whose first unified_amp call is traced: choosing and loading
