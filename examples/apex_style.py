@@ -77,6 +77,20 @@ def gan_step(*, generator: Any, discriminator: Any, gm_g: amp.GradManager,
     return d_loss.item(), g_loss.item()
 
 
+def float16_safe_eps(optimizers: list[Any]) -> None:
+    """Where the optimizer steps float16 weights itself (torch's O3: no float32 master
+    weights), raises Adam's ``eps`` from 1e-8, which float16 rounds to zero (its
+    smallest subnormal is 6e-8), to 1e-4: otherwise an element whose squared gradient
+    underflows divides zero by zero on the first step, and the weights become NaN (as
+    under apex, docs/APEX.md). Call after ``amp.initialize``; float32 steps (masters,
+    or O0/O1) and bfloat16 (float32's exponent range) keep the default."""
+    props = amp.opt_properties()
+    if props.cast_model_type == "float16" and not props.master_weights:
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["eps"] = max(group["eps"], 1e-4)
+
+
 def target_mapping(codes: np.ndarray, seed: int = 1234) -> np.ndarray:
     """The fixed mapping the generator learns: 2-D points from noise codes."""
     rng = np.random.default_rng(seed)
@@ -103,6 +117,7 @@ def train_generator(*, opt_level: str = "O1", steps: int = 200, batch_size: int 
     optimizer = fw.adam(model.parameters(), lr=lr)
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level,
                                       num_losses=1, low_dtype=low_dtype)
+    float16_safe_eps([optimizer])
     gm = amp.GradManager(model.parameters())
     losses = []
     bar = tqdm(range(steps), desc=f"{fw.name} generator {opt_level}",
@@ -139,6 +154,7 @@ def train_gan(*, opt_level: str = "O1", steps: int = 300, batch_size: int = 64,
     [discriminator, generator], [opt_d, opt_g] = amp.initialize(
         [discriminator, generator], [opt_d, opt_g], opt_level=opt_level, num_losses=2,
         low_dtype=low_dtype)
+    float16_safe_eps([opt_d, opt_g])
     gm_d = amp.GradManager(discriminator.parameters())
     gm_g = amp.GradManager(generator.parameters())
     probe = fw.tensor(rng.normal(size=(1000, noise_dim)))

@@ -47,6 +47,9 @@ Every place where the fake differs from a GPU machine is here, once, with the re
 9. Fused SGD (``aten::_fused_sgd_``) has no meta kernel in torch 2.13, so fake mode
    cannot run it; inside the block it gets one that does nothing (it only updates
    values in place, and there are none). Fused Adam and AdamW have torch's own.
+10. Under ``torch.compile`` with (1) in force, dynamo saves and restores the CUDA
+   generator's state around each trace, which needs the runtime. ``report_a_gpu``
+   answers with an empty state: no CUDA tensor is made there, so none is kept.
 """
 
 from __future__ import annotations
@@ -238,6 +241,16 @@ def fake_cuda(value=0):
         torch.set_autocast_cache_enabled(False)
         stack.callback(torch.set_autocast_cache_enabled, weight_casts)
         yield fake
+
+
+def report_a_gpu(monkeypatch) -> None:
+    """torch.cuda says a GPU is here (bypass 1), for code that only asks and makes no
+    CUDA tensor: what a block's entry sees on a GPU machine, under torch.compile too
+    (bypass 10). Undone by ``monkeypatch`` at the end of the test."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda *a, **k: torch.empty(0, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a, **k: None)
 
 
 @pytest.fixture

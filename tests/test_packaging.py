@@ -148,14 +148,27 @@ def test_wheel_installs_beside_the_framework_already_here_and_runs_the_readme(tm
 
 
 # -- the top-level backends/ directory ---------------------------------------------------
-def _plain_checkout_run(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    """Runs ``code`` in this interpreter as a plain checkout would: the repository root
-    on sys.path and no install's finder (the editable install's import hook removed)."""
+def _plain_checkout_run(code: str, cwd: Path, root: Path = ROOT) -> subprocess.CompletedProcess:
+    """Runs ``code`` in this interpreter as a plain checkout would: the checkout ``root``
+    on sys.path and nothing of an editable install of it. setuptools installs one in one
+    of three forms: a finder on sys.meta_path (with a path hook and a placeholder entry
+    on sys.path for namespace packages) defined in its generated ``__editable___*``
+    module; a link tree under ``build/__editable__.*`` on sys.path; or the project root
+    itself on sys.path (``editable_mode=compat``), which is what a plain checkout has
+    anyway. Exactly those are taken out; every other finder and hook stays (the path
+    hook that reads directories above all)."""
     prelude = textwrap.dedent(f"""
         import sys
-        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-        sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h).lower()]
-        sys.path.insert(0, {str(ROOT)!r})
+
+        def _editable(hook):
+            owner = getattr(hook, "__self__", hook)  # a path hook is a bound classmethod
+            return str(getattr(owner, "__module__", "")).startswith("__editable__")
+
+        sys.meta_path[:] = [f for f in sys.meta_path if not _editable(f)]
+        sys.path_hooks[:] = [h for h in sys.path_hooks if not _editable(h)]
+        sys.path[:] = [p for p in sys.path if "__editable__" not in str(p)]
+        sys.path_importer_cache.clear()
+        sys.path.insert(0, {str(root)!r})
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["UNIFIED_AMP_BACKEND"] = amp.get_backend().name
@@ -204,3 +217,30 @@ def test_a_plain_checkout_on_sys_path_imports_the_adapters_as_an_install_does(tm
     assert module == f"unified_amp.backends.{adapter}"
     assert Path(path) == ROOT / "backends" / adapter / "scaling.py"
     assert scale == "8.0"  # the adapter's scaler class made and ran
+
+
+def test_a_checkout_keeps_working_beside_a_stale_adapters_directory(tmp_path):
+    """Before the adapters moved to the top-level backends/, they lived in
+    unified_amp/backends/; git leaves the ignored __pycache__ folders of a checkout made
+    then, which Python takes for a namespace package unified_amp.backends without any
+    adapter in it. The registry binds the real backends/ over it."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    for name in ("unified_amp", "backends"):
+        subprocess.run(["cp", "-r", str(ROOT / name), str(root)], check=True)
+    adapter = f"{amp.get_backend().name}_backend"
+    (root / "unified_amp" / "backends" / adapter / "__pycache__").mkdir(parents=True)
+    run = _plain_checkout_run(f"""
+        import importlib.util
+        import unified_amp as amp
+        print(importlib.util.find_spec("unified_amp.backends").origin)  # namespace: None
+        backend = amp.get_backend()
+        import unified_amp.backends.{adapter}.scaling as scaling
+        print(scaling.__file__)
+        print(amp.GradScaler(init_scale=8.0).get_scale())
+    """, cwd=tmp_path, root=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stale, path, scale = run.stdout.strip().splitlines()[-3:]
+    assert stale == "None"  # the stale directory is there, as a namespace portion
+    assert Path(path) == root / "backends" / adapter / "scaling.py"
+    assert scale == "8.0"

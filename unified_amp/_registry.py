@@ -168,10 +168,15 @@ def _bind_checkout_backends() -> None:
     if _ADAPTERS in sys.modules:
         return
     try:
-        if importlib.util.find_spec(_ADAPTERS) is not None:
-            return  # installed: the mapping finds it
+        spec = importlib.util.find_spec(_ADAPTERS)
     except ModuleNotFoundError:
-        pass
+        spec = None
+    if spec is not None and spec.has_location:
+        return  # installed: the mapping finds the package
+    # Not found, or found only as a namespace portion: a directory named
+    # unified_amp/backends without an __init__.py, such as the __pycache__ folders git
+    # leaves behind (ignored files) in a checkout made before the adapters moved to the
+    # top-level backends/. It holds no adapter; importing through it would fail.
     package = Path(__file__).resolve().parent.parent / "backends"
     init = package / "__init__.py"
     if not init.is_file():

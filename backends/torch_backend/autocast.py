@@ -96,6 +96,19 @@ class ContractMode(TorchFunctionMode):
 CONTRACT = ContractMode()
 
 
+@torch.compiler.assume_constant_result
+def _cuda_lacking_bfloat16() -> str:
+    """The current CUDA device's name if it does not compute bfloat16, else "".
+
+    Asked on each block's entry, which may be inside a compiled function. Dynamo cannot
+    put ``torch.cuda``'s queries in a graph (they return a bool or a str, not a tensor):
+    asked there directly, they break the graph, and ``fullgraph=True`` fails, on a GPU
+    machine only. The answer is a fact of the hardware, so dynamo may ask it once, while
+    tracing, and keep it as a constant of the graph.
+    """
+    return "" if torch.cuda.is_bf16_supported() else torch.cuda.get_device_name()
+
+
 class _Autocast(torch.amp.autocast_mode.autocast):
     """``torch.autocast``, under a name dynamo does not special-case.
 
@@ -104,6 +117,19 @@ class _Autocast(torch.amp.autocast_mode.autocast):
     ``__enter__``/``__exit__`` (torch's own) dynamo inlines into the autocast state
     switches it tracks.
     """
+
+    def __init__(self, device_type: str, dtype: torch.dtype, enabled: bool) -> None:
+        if device_type == "cuda" and enabled and torch.compiler.is_compiling():
+            # torch's constructor asks CUDA whether autocast can run there and whether it
+            # computes bfloat16; dynamo inlines it and cannot trace either question (see
+            # _cuda_lacking_bfloat16), so on a GPU machine the block would break the
+            # graph. check_precision has answered both, traceably: built while tracing as
+            # a CPU block (which asks nothing of CUDA; the same two dtypes are valid
+            # there), then pointed at CUDA. Eagerly, torch's constructor runs as is.
+            super().__init__("cpu", dtype=dtype, enabled=enabled)
+            self.device = device_type
+        else:
+            super().__init__(device_type, dtype=dtype, enabled=enabled)
 
 
 def _top_is_contract() -> bool:
@@ -209,10 +235,11 @@ class Autocasting(interface.Autocasting):
             )
         for dev in devices(device):
             want = dtype or default_dtype(dev)
-            if dev == "cuda" and want == "bfloat16" and not torch.cuda.is_bf16_supported():
+            lacking = dev == "cuda" and want == "bfloat16" and _cuda_lacking_bfloat16()
+            if lacking:
                 raise UnsupportedPrecisionError(
                     f"autocast dtype 'bfloat16' is not supported by this CUDA device"
-                    f" ({torch.cuda.get_device_name()}); use dtype='float16'."
+                    f" ({lacking}); use dtype='float16'."
                 )
 
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,

@@ -45,7 +45,8 @@ def _run_eagerly(cls: type) -> type:
         return torch.compiler.disable(method)
 
     for name in _HOST_SIDE:
-        setattr(cls, name, eager(name))
+        own = cls.__dict__.get(name)  # the class's own override runs eagerly as is
+        setattr(cls, name, torch.compiler.disable(own) if own else eager(name))
     factor = cast(property, inspect.getattr_static(GradScaler, "scale_factor"))
     cls.scale_factor = property(  # type: ignore[attr-defined]
         torch.compiler.disable(factor.fget), torch.compiler.disable(factor.fset),
@@ -71,10 +72,25 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
         # This adapter's device_scale() made it, so it is this adapter's class.
         return cast("TorchDeviceScale | None", self.adapter_view.device_scale)
 
+    def scale(self, outputs: Any) -> Any:
+        out = super().scale(outputs)
+        if self.__dict__.get("_outputs_device") is None:
+            self._outputs_device = _first_tensor_device(outputs)
+        return out
+
+    scale.__doc__ = GradScaler.scale.__doc__
+
     def _torch_device(self) -> torch.device:
+        """Where torch.amp's scaler would keep its scale tensor: on the device of the
+        first outputs it scaled, whatever device it was made for (a CPU model with the
+        default GradScaler() on a CUDA machine keeps it on the CPU), else the device
+        it was made for. The device-resident scale, once made, is where it lives."""
         dev = self._device_scale()
         if dev is not None:
             return dev.device
+        seen = self.__dict__.get("_outputs_device")
+        if seen is not None:
+            return seen
         device = self.adapter_view.device
         if device:
             return torch.device(device)
@@ -189,6 +205,17 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
         # torch.amp's kernel sets the flag it is given (a copy per device) to 1 on a find
         return {device: torch.maximum(flag, found_inf.to(device))
                 for device, flag in found.items()}
+
+
+def _first_tensor_device(outputs: Any) -> torch.device | None:
+    if isinstance(outputs, torch.Tensor):
+        return outputs.device
+    if isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            found = _first_tensor_device(item)
+            if found is not None:
+                return found
+    return None
 
 
 class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):  # type: ignore[misc]

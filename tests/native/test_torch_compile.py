@@ -19,6 +19,8 @@ from torch._dynamo.backends.common import aot_autograd
 import unified_amp as amp
 from unified_amp.backends.torch_backend import autocast as torch_autocast
 
+from ..fake_cuda import report_a_gpu
+
 # Tracing a unified block whole needs a dynamo that records autocast's state switches
 # (after torch 2.7). Where it cannot, the block's entry and exit run eagerly;
 # test_where_dynamo_cannot_trace_autocast_the_block_is_entered_eagerly covers that path
@@ -359,6 +361,53 @@ def test_where_dynamo_cannot_trace_autocast_the_block_is_entered_eagerly(monkeyp
     torch._dynamo.reset()
     for order in (("native", "unified"), ("unified", "native")):
         _run_in_order(order, Recorder(), False, (8, 8))
+
+
+@pytest.mark.parametrize("traceable", [True, False],
+                         ids=["block traced whole", "block entered eagerly"])
+def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(
+        monkeypatch, traceable):
+    """With a GPU present, entering a block asks torch.cuda whether autocast can run there
+    and whether the device computes bfloat16; dynamo cannot trace those queries (they
+    return a bool, not a tensor), and asked inside a compiled function they broke its
+    graph on a real GPU. Here torch.cuda reports a GPU and both queries are ones dynamo
+    cannot trace: the block must still compile whole (or, where dynamo cannot trace
+    autocast's switches, be refused only for its eager entry), with the question asked
+    once while tracing and never by the compiled code."""
+    if traceable and not torch_autocast.TRACEABLE:
+        pytest.skip(f"torch {torch.__version__}'s dynamo cannot trace autocast's switches")
+    monkeypatch.setattr(torch_autocast, "TRACEABLE", traceable)
+    report_a_gpu(monkeypatch)
+    asked_while_tracing = []
+
+    def untraceable(*args, **kwargs):
+        asked_while_tracing.append(torch.compiler.is_compiling())
+        torch._dynamo.graph_break()  # what dynamo makes of a torch.cuda query in a graph
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", untraceable)
+    monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available",
+                        lambda: not untraceable())
+    model, (x, y) = net(), data()
+
+    def unified_loss(model, x, y):
+        with amp.autocast(dtype=BF16):  # device None: CPU and (here) CUDA
+            return loss_of(model, x, y)
+
+    compiled = torch.compile(unified_loss, backend="aot_eager", fullgraph=True)
+    if not traceable:
+        # refused for the eager entry (as on a CPU machine), not for a query
+        with pytest.raises(Exception, match="(?i)disable|skip") as refused:
+            compiled(model, x, y)
+        assert "graph_break" not in str(refused.value)
+        return
+    with amp.autocast(dtype=BF16):
+        expected = loss_of(model, x, y).detach()
+    asked_while_tracing.clear()
+    for _ in range(2):
+        assert torch.equal(compiled(model, x, y).detach(), expected)
+    assert asked_while_tracing == [True]  # once, while tracing; never by the graph
+    assert not torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
 
 
 def test_each_side_gets_its_own_dtypes_with_inductor_after_a_reset():

@@ -105,3 +105,37 @@ def test_unscale_grads_refuses_float16_unless_allowed():
         opt = torch.optim.SGD([p], lr=1.0)
         with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
             GradScaler("cpu")._unscale_grads_(opt, torch.ones(1), torch.zeros(1), False)
+
+
+@pytest.mark.parametrize("device", [(), ("cuda",)], ids=["no device given", "cuda"])
+def test_on_a_cuda_machine_a_cpu_models_scale_and_flags_stay_on_the_cpu(monkeypatch, device):
+    """torch.amp's scaler made for CUDA (its default) keeps its scale where the first
+    loss it scales lives, and its found-inf flags where the gradients live: a CPU model
+    trains with it on a GPU machine. Ours, side by side, with torch.cuda reporting a GPU.
+    This torch has no CUDA: a tensor put on "cuda" would fail, which is the check."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    seen = {}
+    for make in (NATIVE, OURS):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = make(*device, init_scale=2.0**10)
+        history = []
+        for step in range(3):
+            x = torch.randn(3, 4)
+            x[0, 0] = float("inf") if step == 1 else x[0, 0]
+            scaler.scale(model(x).sum()).backward()
+            scaler.unscale_(opt)
+            flags = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+            history.append((scaler._scale.device, scaler._growth_tracker.device,
+                            {d: float(f) for d, f in flags.items()}))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            history.append(scaler.get_scale())
+        seen[make] = history, [p.detach().clone() for p in model.parameters()]
+    assert seen[OURS][0] == seen[NATIVE][0]
+    assert seen[OURS][0][2] == (torch.device("cpu"), torch.device("cpu"),
+                                {torch.device("cpu"): 1.0})
+    for a, b in zip(seen[OURS][1], seen[NATIVE][1]):
+        assert torch.equal(a, b)

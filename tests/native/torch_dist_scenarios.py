@@ -59,6 +59,16 @@ def loss_of(model, x, y, scale_by: float = 1.0, low: bool = True):
     return F.mse_loss(out.float(), y) * scale_by
 
 
+def shard(model: torch.nn.Module, world: int) -> None:
+    """fully_shard over a CPU mesh. Without a mesh, FSDP2 makes one on the machine's
+    accelerator: on a GPU machine it moves the parameters to cuda:0 while these
+    scenarios' data and gloo group stay on the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+
+
 def planted(rank: int, step: int) -> bool:
     return rank == 1 and step in OVERFLOW_STEPS
 
@@ -226,15 +236,13 @@ def ddp_no_sync_misuse(rank, world):
 def fsdp2(rank, world):
     """fully_shard (DTensor gradients), an inf in rank 1's local shard at the overflow
     steps; also torch.amp's own scaler on the same run, to compare with."""
-    from torch.distributed.fsdp import fully_shard
-
     out = {}
     for name, make in (("ours", lambda: amp.GradScaler("cpu", init_scale=INIT,
                                                         growth_interval=INTERVAL)),
                        ("native", lambda: torch.amp.GradScaler("cpu", init_scale=INIT,
                                                                growth_interval=INTERVAL))):
         model = make_model()
-        fully_shard(model)
+        shard(model, world)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         scaler = make()
         rec = Recorder(scaler)
@@ -260,10 +268,8 @@ def fsdp2(rank, world):
 def fsdp2_gradless_rank(rank, world):
     """fully_shard, but rank 1 holds no gradient at all at the overflow steps (rank 0
     plants the inf): rank 1 must still enter the check, or rank 0 waits forever."""
-    from torch.distributed.fsdp import fully_shard
-
     model = make_model()
-    fully_shard(model)
+    shard(model, world)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = amp.GradScaler("cpu", init_scale=INIT, growth_interval=INTERVAL)
     rec = Recorder(scaler)
