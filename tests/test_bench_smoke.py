@@ -69,3 +69,18 @@ def test_quick_compile_benchmark_runs_every_variant(tmp_path):
         name for name in steps if name.endswith(", compiled")}
     for name, ratio in workload["ratios"].items():
         assert 0.05 < ratio["median"] < 20, (name, ratio)
+
+
+def test_mode_cost_benchmark_times_each_variant(tmp_path):
+    """benchmarks/mode_cost.py (torch only): the four variants timed, per call."""
+    if amp.get_backend().name != "torch":
+        pytest.skip("the contract's function mode is torch's")
+    env = dict(os.environ, UNIFIED_AMP_BACKEND="torch")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.mode_cost", "--quick", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "mode-cost-torch.json").read_text())
+    assert set(result["us_per_call"]) == {"torch.autocast", "+ empty mode", "amp.autocast",
+                                          "amp.autocast(contract=False)"}
+    assert all(v["median"] > 0 and v["n"] == 3 for v in result["us_per_call"].values())
