@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_"))},
             "command": report.command_line(argv),
             "argv": argv,
-            "cwd": str(Path.cwd()),
+            # relative to the checkout: where in it the command ran, not whose machine
+            "cwd": os.path.relpath(Path.cwd(), Path(__file__).resolve().parents[1]),
         },
         "machine": machine,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

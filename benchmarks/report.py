@@ -338,4 +338,11 @@ def command_line(argv: list[str]) -> str:
 
     env = os.environ.get("UNIFIED_AMP_BACKEND")
     prefix = f"UNIFIED_AMP_BACKEND={env} " if env else ""
-    return f"{prefix}{sys.executable} -m benchmarks.bench {shlex.join(argv)}".rstrip()
+    # The interpreter relative to the checkout (its .venv-*), else by name: a saved
+    # result names the command, not the machine it ran on.
+    exe = Path(sys.executable)
+    try:
+        python = str(exe.relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        python = exe.name
+    return f"{prefix}{python} -m benchmarks.bench {shlex.join(argv)}".rstrip()
