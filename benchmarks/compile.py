@@ -12,7 +12,9 @@ torch.amp's loop: ``scaler.scale(loss).backward(); scaler.step(opt); scaler.upda
   into the model by hand (the models' ``fp32_sensitive``), the native twin of "unified".
 
 Each runs eagerly and compiled: the forward and loss, autocast block included, in one
-``torch.compile(..., fullgraph=True)`` (inductor); backward and the scaler stay eager,
+``torch.compile(..., fullgraph=True)`` (inductor; on a torch whose dynamo cannot trace
+autocast's switches, such as 2.7, without ``fullgraph``: the unified block's entry and
+exit then run eagerly, docs/COMPILE.md); backward and the scaler stay eager,
 as in a compiled model. All variants run in every round, in rotated order; ratios are
 taken within a round and summarised by their median. Writes
 ``benchmarks/results/torch-<device>-compile[-quick].json``.
@@ -35,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 import unified_amp as amp
+from unified_amp.backends.torch_backend.autocast import TRACEABLE
 
 from .common import SIZES, TARGET, WORKLOADS, lookup
 from .timing import interleaved, round_ratios, spread
@@ -67,7 +70,7 @@ def make_step(kit: Kit, name: str, size: dict[str, int], seed: int, side: str,
             return w.loss(fp32_sensitive)
 
     if compiled:
-        forward = torch.compile(forward, fullgraph=True)
+        forward = torch.compile(forward, fullgraph=TRACEABLE)
 
     def step() -> torch.Tensor:
         loss = forward()
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                else argv),
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": kit.device, "threads_note": note,
-        "dtype": DTYPE, "target_unified_over_native": TARGET,
+        "dtype": DTYPE, "target_unified_over_native": TARGET, "fullgraph": TRACEABLE,
         "schedule": {"warmup": args.warmup, "rounds": args.rounds, "steps": args.steps},
         "workloads": {}}
     cost = out["contract_mode_cost"] = mode_cost(kit, args)

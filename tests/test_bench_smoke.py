@@ -52,8 +52,9 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path):
 
 
 def test_quick_compile_benchmark_runs_every_variant(tmp_path):
-    """benchmarks/compile.py (torch only): every variant, eager and compiled with
-    fullgraph=True, trains and is timed; the JSON holds each ratio the docs quote."""
+    """benchmarks/compile.py (torch only): every variant, eager and compiled (with
+    fullgraph=True where dynamo traces autocast's switches), trains and is timed; the
+    JSON holds each ratio the docs quote."""
     if amp.get_backend().name != "torch":
         pytest.skip("torch.compile is torch's; MegEngine's trace has benchmarks/trace_megengine.py")
     env = dict(os.environ, UNIFIED_AMP_BACKEND="torch", MPLBACKEND="Agg")
@@ -62,6 +63,9 @@ def test_quick_compile_benchmark_runs_every_variant(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "torch-cpu-compile-quick.json").read_text())
+    from unified_amp.backends.torch_backend.autocast import TRACEABLE
+
+    assert result["fullgraph"] is TRACEABLE
     workload = result["workloads"]["transformer"]
     steps = workload["step_ms_median"]
     assert len(steps) == 8 and all(math.isfinite(v) and v > 0 for v in steps.values()), steps
