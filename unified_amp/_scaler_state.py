@@ -23,7 +23,8 @@ from ._registry import get_backend
 from ._scale_rule import next_scale, valid_scale
 from ._targets import is_optimizer, params_of
 from ._scaler_forensics import Forensics
-from .interface import Backend, DeviceResident, DeviceScale, GradVersions, capability
+from .interface import (Backend, BackwardHooks, DeviceResident, DeviceScale, GradVersions,
+                        capability)
 
 __all__ = ["AdapterView"]
 
@@ -42,6 +43,29 @@ class _OptState:
     def __init__(self) -> None:
         self.stage = _Stage.READY
         self.checks: list[Check] = []  # the checks that covered its gradients
+
+
+class _Caps:
+    """What one adapter provides, asked once per scaler (a step asks several times):
+    the optional capabilities the state machine calls, and whether the adapter has
+    traces. Facts about the adapter's class, so they cannot change while it is in use."""
+
+    __slots__ = ("backend", "hooks", "version", "resident", "traces", "fp16")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.hooks = capability(backend, BackwardHooks)
+        versions = capability(backend, GradVersions)
+        self.version = _no_version if versions is None else versions.grad_version
+        self.resident = capability(backend, DeviceResident)
+        self.traces = _tracing.supported(backend)
+        self.fp16: dict[Any, bool] = {}  # dtype -> whether it is float16 (asked once)
+
+    def is_fp16(self, dtype: Any) -> bool:
+        known = self.fp16.get(dtype)
+        if known is None:
+            known = self.fp16[dtype] = self.backend.dtype_name(dtype) == "float16"
+        return known
 
 
 class ScalerState:
@@ -75,7 +99,7 @@ class ScalerState:
     # optimizer -> (the shape of its param_groups, its parameters), reused while the
     # groups stay the same lists: rebuilding it is a pass over every parameter
     _param_lists: "weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]]"
-    _tracing_known: tuple[Any, bool] | None = None  # (adapter, whether it has traces)
+    _caps_known: _Caps | None = None  # the adapter's capabilities (_caps())
 
     @property
     def adapter_view(self) -> AdapterView:
@@ -86,6 +110,12 @@ class ScalerState:
         if self._backend is None:
             self._backend = get_backend()
         return self._backend
+
+    def _caps(self) -> _Caps:
+        caps = self._caps_known
+        if caps is None or caps.backend is not self._backend:
+            caps = self._caps_known = _Caps(self._be())
+        return caps
 
     def _new_iteration(self) -> None:
         # What happened since the last update(): per-optimizer stages keyed by id() as in
@@ -108,11 +138,10 @@ class ScalerState:
     @property
     def _version(self) -> Any:
         """The adapter's gradient version counter, or a stand-in that has none."""
-        versions = capability(self._be(), GradVersions)
-        return _no_version if versions is None else versions.grad_version
+        return self._caps().version
 
     def _steps_on_device(self, optimizer: Any) -> bool:
-        backend = capability(self._be(), DeviceResident)
+        backend = self._caps().resident
         if backend is None or not backend.steps_on_device(optimizer):
             return False
         if self._dev is None:
@@ -124,9 +153,9 @@ class ScalerState:
         """Whether ``what`` runs inside a trace (_tracing.py), raising where it cannot
         run there as it does eagerly. Inside one the scale lives on the device from
         then on, starting from the copy kept current until then."""
-        backend = self._be()
-        if not self._can_trace():
+        if not self._caps().traces:
             return False  # (what enter() and mirror() answer for such an adapter)
+        backend = self._be()
         if not _tracing.enter(backend, what, (self._growth_factor, self._backoff_factor)):
             if self._dev is None and self._trace_copy is None:
                 self._mirror()  # after unpickling
@@ -137,11 +166,7 @@ class ScalerState:
 
     def _can_trace(self) -> bool:
         """Whether the adapter has traces at all; asked once (a step asks often)."""
-        backend = self._be()
-        known = self._tracing_known
-        if known is None or known[0] is not backend:
-            known = self._tracing_known = (backend, _tracing.supported(backend))
-        return known[1]
+        return self._caps().traces
 
     def _refuse_in_trace(self, what: str, kind: str) -> None:
         """Raises if ``what``, a call that needs the host, runs inside a trace."""
@@ -182,7 +207,7 @@ class ScalerState:
         """``params`` with a gradient that still needs unscaling and those gradients,
         the checks that already covered others (from the ledger), and the params with
         neither."""
-        return self._ledger.split(params, self._version)
+        return self._ledger.split(params, self._caps().version)
 
     def _rescale_held(self, params: list[Any]) -> None:
         """Brings gradients this scaler unscaled, and that still hold those values,
@@ -255,8 +280,9 @@ class ScalerState:
         if agreement is not None and agreement.standins:
             grads = grads + agreement.standins
         if not allow_fp16:
+            is_fp16 = self._caps().is_fp16
             for dtype in {g.dtype for g in grads}:
-                if backend.dtype_name(dtype) == "float16":
+                if is_fp16(dtype):
                     raise ValueError(
                         "Attempting to unscale FP16 gradients. GradScaler needs float32"
                         " parameters (and so float32 gradients): keep the model in float32"
@@ -333,10 +359,11 @@ class ScalerState:
             state.stage = _Stage.UNSCALED
             state.checks.append(check)
 
-    def _on_scaled_backward(self) -> None:
-        # Called by the adapter when a backward pass runs through a scale() output.
+    def _on_scaled_backward(self, *_: Any) -> None:
+        # Called by the adapter when a backward pass runs through a scale() output
+        # (with its framework's hook arguments, or none).
         self._saw_backward = True
-        self._ledger.new_backward(self._version)
+        self._ledger.new_backward(self._caps().version)
 
     def _step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
                            fused_unscale: bool, args: tuple, kwargs: dict) -> Any:

@@ -240,7 +240,9 @@ class BackwardHooks(Protocol):
 
     def watch_backward(self, tensor: Any, callback: Any) -> bool:
         """Arranges for ``callback()`` to run when a backward pass goes through
-        ``tensor``; False if it cannot."""
+        ``tensor``; False if it cannot. ``callback`` ignores any arguments it is given
+        (so the adapter may register it as the framework's hook itself) and returns
+        None."""
 
 
 class DeviceScale(Protocol):
