@@ -22,6 +22,7 @@ from ._ledger import Check, GradLedger, _no_version
 from ._registry import get_backend
 from ._scale_rule import next_scale, valid_scale
 from ._targets import is_optimizer, params_of
+from ._adapter_view import AdapterView
 from ._scaler_forensics import Forensics
 from .interface import (Backend, BackwardHooks, DeviceResident, DeviceScale, GradVersions,
                         capability)
@@ -50,7 +51,8 @@ class _Caps:
     the optional capabilities the state machine calls, and whether the adapter has
     traces. Facts about the adapter's class, so they cannot change while it is in use."""
 
-    __slots__ = ("backend", "hooks", "version", "resident", "traces", "fp16")
+    __slots__ = ("backend", "hooks", "version", "resident", "traces", "fp16",
+                 "rejects_non_float32")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -60,6 +62,10 @@ class _Caps:
         self.resident = capability(backend, DeviceResident)
         self.traces = _tracing.supported(backend)
         self.fp16: dict[Any, bool] = {}  # dtype -> whether it is float16 (asked once)
+        # The adapter's fused check raises ValueError for a non-float32 gradient before
+        # it runs (LossScaling's optional attribute): then the core reads the dtypes
+        # only to word that error, not on every step.
+        self.rejects_non_float32 = bool(getattr(backend, "rejects_non_float32", False))
 
     def is_fp16(self, dtype: Any) -> bool:
         known = self.fp16.get(dtype)
@@ -279,21 +285,22 @@ class ScalerState:
             grads = backend.grads(params)
         if agreement is not None and agreement.standins:
             grads = grads + agreement.standins
-        if not allow_fp16:
-            is_fp16 = self._caps().is_fp16
-            for dtype in {g.dtype for g in grads}:
-                if is_fp16(dtype):
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients. GradScaler needs float32"
-                        " parameters (and so float32 gradients): keep the model in float32"
-                        " and let autocast run the low-precision ops."
-                    )
+        caps = self._caps()
+        if not allow_fp16 and not caps.rejects_non_float32:
+            self._refuse_fp16(grads)
         flag = None
         if grads:
-            if self._dev is not None:
-                flag = self._dev.unscale_and_check(grads) if unscale else self._dev.check(grads)
-            else:
-                flag = backend.unscale_and_check(grads, self._inv_scale() if unscale else 1.0)
+            try:
+                if self._dev is not None:
+                    flag = (self._dev.unscale_and_check(grads) if unscale
+                            else self._dev.check(grads))
+                else:
+                    flag = backend.unscale_and_check(grads,
+                                                     self._inv_scale() if unscale else 1.0)
+            except ValueError:
+                if not allow_fp16:
+                    self._refuse_fp16(grads)  # float16 gets the core's words
+                raise
         if agreement is not None:
             check = agreement.check(flag, params or list(idle))
             # Every rank now covers the same parameters, gradient or not.
@@ -306,6 +313,16 @@ class ScalerState:
             check.verdict(self._read)  # the one sync
         self._checks.append(check)
         return check
+
+    def _refuse_fp16(self, grads: list[Any]) -> None:
+        is_fp16 = self._caps().is_fp16
+        for dtype in {g.dtype for g in grads}:
+            if is_fp16(dtype):
+                raise ValueError(
+                    "Attempting to unscale FP16 gradients. GradScaler needs float32"
+                    " parameters (and so float32 gradients): keep the model in float32"
+                    " and let autocast run the low-precision ops."
+                )
 
     def _unscale(self, target: Any, what: str, *, drop: bool,
                  params: list[Any] | None = None) -> None:
@@ -453,64 +470,3 @@ class ScalerState:
 
     def _valid_scale(self, value: Any, what: str) -> float:
         return valid_scale(value, what, self._be)
-
-
-class AdapterView:
-    """What an adapter's GradScaler subclass may read of the core's state (the torch
-    adapter's ``TorchGradScaler`` derives torch.amp's private attributes from it), and
-    nothing else: ``scaler.adapter_view``. Members:
-
-    - ``enabled``, ``device`` (the constructor's, or None), ``device_scale`` (the
-      adapter's :class:`~unified_amp.interface.DeviceScale` once a fused optimizer
-      stepped, else None);
-    - ``host_scale()``: (scale, growth tracker) as the host holds them, no sync (in
-      device mode, as last read back); ``synced_scale()``: the same after reading the
-      device values back (a sync in device mode, as ``get_scale()``);
-    - ``stages()``: per optimizer (keyed by ``id()``) in this iteration, its stage
-      ("READY", "UNSCALED" or "STEPPED", torch.amp's names) and the checks behind it;
-      ``checks_of(optimizer)``: those checks. A check's ``flag`` (a device flag or
-      None), ``found`` (True, False, or None while unread) and ``ready()`` (the flag,
-      once any all-reduce of it finished) are the declared members of a check;
-    - ``check_only(optimizer)``: checks the optimizer's gradients without unscaling
-      them (torch's older ``step(grad_scaler=...)`` contract: the optimizer unscales),
-      recorded for that optimizer and counted by the next ``update()``.
-    """
-
-    __slots__ = ("_scaler",)
-
-    def __init__(self, scaler: ScalerState) -> None:
-        self._scaler = scaler
-
-    @property
-    def enabled(self) -> bool:
-        return self._scaler._enabled
-
-    @property
-    def device(self) -> str | None:
-        return self._scaler._device
-
-    @property
-    def device_scale(self) -> DeviceScale | None:
-        return self._scaler._dev
-
-    def host_scale(self) -> tuple[float, int]:
-        return self._scaler._scale_value, self._scaler._tracker
-
-    def synced_scale(self) -> tuple[float, int]:
-        self._scaler._sync_from_device()
-        return self.host_scale()
-
-    def stages(self) -> dict[int, tuple[str, list[Check]]]:
-        return {key: (state.stage.name, list(state.checks))
-                for key, state in self._scaler._opt_states.items()}
-
-    def checks_of(self, optimizer: Any) -> list[Check]:
-        state = self._scaler._opt_states.get(id(optimizer))
-        return [] if state is None else list(state.checks)
-
-    def check_only(self, optimizer: Any) -> Check:
-        scaler = self._scaler
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        check = scaler._check(params, unscale=False, read=False, allow_fp16=True)
-        scaler._opt_state(optimizer).checks.append(check)
-        return check
