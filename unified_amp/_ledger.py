@@ -306,6 +306,10 @@ class GradLedger:
         if not self._batches:
             return []
         grads = [p.grad for p in params]
+        if all(map(_is_none, grads)):
+            # The usual automatic-mode step (the optimizer cleared the gradients): a
+            # None gradient holds nothing and cannot mix, whatever the records say.
+            return []
         held, mixed = [], 0
         for g, check in zip(grads, self.answers(params, grads, version)):
             if check is MIXED:

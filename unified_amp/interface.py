@@ -128,6 +128,12 @@ class LossScaling(Protocol):
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
 
+    # Optional: an adapter whose fused check takes float32 gradients only sets
+    # ``rejects_non_float32 = True`` when ``unscale_and_check`` (and its device scale's
+    # ``unscale_and_check``/``check``) raise ValueError for any other gradient before
+    # touching one; the scaler then skips its own float16 scan of every gradient and
+    # words that error for float16 gradients itself.
+
 
 @runtime_checkable
 class OptLevelCasting(Protocol):
