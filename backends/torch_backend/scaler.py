@@ -9,7 +9,6 @@ from typing import Any, Sequence, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
-from torch.compiler import is_compiling
 
 from unified_amp import interface
 from unified_amp.scaler import GradScaler
@@ -40,22 +39,10 @@ _HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get
 def _run_eagerly(cls: type) -> type:
     def eager(name: str) -> Any:
         # The core's method looked up at call time (a patched or overridden one too).
-        def core(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return getattr(super(cls, self), name)(*args, **kwargs)
-
-        disabled = torch.compiler.disable(core)
-
         @functools.wraps(getattr(GradScaler, name))
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # While dynamo traces the caller, is_compiling() is True and the call goes
-            # through torch.compiler.disable: a graph break, then the core's method
-            # eagerly. Outside, the core's method directly: the disable wrapper's
-            # switching of the frame evaluator costs microseconds per call, and
-            # scale/step/update run every step.
-            if is_compiling():
-                return disabled(self, *args, **kwargs)
             return getattr(super(cls, self), name)(*args, **kwargs)
-        return method
+        return torch.compiler.disable(method)
 
     for name in _HOST_SIDE:
         setattr(cls, name, eager(name))
