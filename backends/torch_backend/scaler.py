@@ -16,6 +16,14 @@ from unified_amp.scaler import GradScaler
 from .device_scale import TorchDeviceScale
 from .scaling import by_device, check_and_unscale_per_device
 
+# The eager shortcut around torch.compiler.disable needs dynamo's frame-evaluator getter:
+# checked on torch 2.13; on 2.7 calling it from a compiled step crashes the process, and
+# the versions between are untested, so they keep the disable wrapper on every call.
+_CHEAP_EAGER = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) \
+    >= (2, 13) and hasattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback")
+_frame_evaluator: Any = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback",
+                                None)
+
 
 class NativeScaler(interface.NativeScalerClass):
     """Which GradScaler subclass ``amp.GradScaler(...)`` makes on torch."""
@@ -40,9 +48,29 @@ def _run_eagerly(cls: type) -> type:
     def eager(name: str) -> Any:
         # The core's method looked up at call time (a patched or overridden one too).
         @functools.wraps(getattr(GradScaler, name))
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def core(self: Any, *args: Any, **kwargs: Any) -> Any:
             return getattr(super(cls, self), name)(*args, **kwargs)
-        return torch.compiler.disable(method)
+
+        disabled = torch.compiler.disable(core)
+        if not _CHEAP_EAGER:
+            return disabled
+
+        @functools.wraps(getattr(GradScaler, name))
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Under compiled code (dynamo's frame evaluator installed: a graph-broken
+            # or eagerly run part of a compiled function) through disable(), so that
+            # the core's frames are never compiled; eagerly the core directly, without
+            # the disable wrapper's two frame-evaluator switches (microseconds per call,
+            # and scale/step/update run every step).
+            if _frame_evaluator() is not None:
+                return disabled(self, *args, **kwargs)
+            return getattr(super(cls, self), name)(*args, **kwargs)
+
+        # dynamo never traces into it (a call from compiled code is a graph break, as
+        # for a disabled function) nor compiles its frame.
+        method._torchdynamo_disable = True  # type: ignore[attr-defined]
+        torch._dynamo.eval_frame.skip_code(method.__code__)  # type: ignore[attr-defined]
+        return method
 
     for name in _HOST_SIDE:
         setattr(cls, name, eager(name))
