@@ -41,9 +41,10 @@ Every place where the fake differs from a GPU machine is here, once, with the re
    answer ``SyncCounter.value`` (0: "no inf/NaN"; a test may say otherwise); reads of
    host tensors answer 1 (an optimizer's step count lives there: 1 keeps Adam's bias
    correction finite). The counter is what makes the reads visible at all.
-8. The torch adapter's cache of scale tensors (one per device, kept across scalers) is
-   emptied when a block starts and ends: a fake tensor from one block must not reach
-   another block's fake mode, nor a real GPU's tests in the same process.
+8. The torch adapter's caches of scale tensors and of their reciprocals (one per
+   device, kept across scalers) are emptied when a block starts and ends: a fake tensor
+   from one block must not reach another block's fake mode, nor a real GPU's tests in
+   the same process.
 9. Fused SGD (``aten::_fused_sgd_``) has no meta kernel in torch 2.13, so fake mode
    cannot run it; inside the block it gets one that does nothing (it only updates
    values in place, and there are none). Fused Adam and AdamW have torch's own.
@@ -200,10 +201,11 @@ def fake_cuda(value=0):
         FakeCuda: ``.syncs`` counts the syncs; ``.events_done`` drives CUDA events.
     """
     fake = FakeCuda(SyncCounter(value))
-    cache = amp.get_backend()._scale_cache  # bypass 8
+    backend = amp.get_backend()
     with contextlib.ExitStack() as stack:
-        cache.clear()
-        stack.callback(cache.clear)
+        for cache in (backend._scale_cache, backend._inv_cache):  # bypass 8
+            cache.clear()
+            stack.callback(cache.clear)
         stack.enter_context(_CpuBuildFakeMode())
         stack.enter_context(fake.syncs)  # innermost: sees each op before fake mode
         stack.enter_context(mock.patch.object(torch.cuda, "is_available", lambda: True))

@@ -94,11 +94,13 @@ class _Batch:
     ``check`` after backward pass ``epoch``; ``versions[j]`` is its version when the
     next backward pass began (None until then, and where there are no versions)."""
 
-    __slots__ = ("key", "params", "grads", "versions", "epoch", "check", "weak", "index")
+    __slots__ = ("_key", "params", "grads", "versions", "epoch", "check", "weak", "index")
 
     def __init__(self, params: list[Any], grads: list[Any], versions: list[Any] | None,
                  epoch: int, check: Check) -> None:
-        self.key = tuple(map(id, params))
+        # The ids of ``params``, made when first needed: torch.amp's loop records a
+        # batch at step() and drops it at update() without ever looking it up.
+        self._key: tuple[int, ...] | None = None
         self.params = params
         self.grads = grads
         self.versions = versions
@@ -107,9 +109,16 @@ class _Batch:
         self.weak = False
         self.index: dict[int, int] | None = None
 
+    @property
+    def key(self) -> tuple[int, ...]:
+        if self._key is None:  # (never weak here: weaken() makes it first)
+            self._key = tuple(map(id, self.params))
+        return self._key
+
     def weaken(self) -> None:
         if self.weak:
             return
+        self.key  # noqa: B018 -- made from the parameters while they are held
         ref = weakref.ref
         self.params = [ref(p) for p in self.params]
         self.grads = [g if g is None or g is _ABSENT else ref(g) for g in self.grads]
@@ -297,6 +306,10 @@ class GradLedger:
         if not self._batches:
             return []
         grads = [p.grad for p in params]
+        if all(map(_is_none, grads)):
+            # The usual automatic-mode step (the optimizer cleared the gradients): a
+            # None gradient holds nothing and cannot mix, whatever the records say.
+            return []
         held, mixed = [], 0
         for g, check in zip(grads, self.answers(params, grads, version)):
             if check is MIXED:

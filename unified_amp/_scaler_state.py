@@ -22,8 +22,10 @@ from ._ledger import Check, GradLedger, _no_version
 from ._registry import get_backend
 from ._scale_rule import next_scale, valid_scale
 from ._targets import is_optimizer, params_of
+from ._adapter_view import AdapterView
 from ._scaler_forensics import Forensics
-from .interface import Backend, DeviceResident, DeviceScale, GradVersions, capability
+from .interface import (Backend, BackwardHooks, DeviceResident, DeviceScale, GradVersions,
+                        capability)
 
 __all__ = ["AdapterView"]
 
@@ -42,6 +44,34 @@ class _OptState:
     def __init__(self) -> None:
         self.stage = _Stage.READY
         self.checks: list[Check] = []  # the checks that covered its gradients
+
+
+class _Caps:
+    """What one adapter provides, asked once per scaler (a step asks several times):
+    the optional capabilities the state machine calls, and whether the adapter has
+    traces. Facts about the adapter's class, so they cannot change while it is in use."""
+
+    __slots__ = ("backend", "hooks", "version", "resident", "traces", "fp16",
+                 "rejects_non_float32")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.hooks = capability(backend, BackwardHooks)
+        versions = capability(backend, GradVersions)
+        self.version = _no_version if versions is None else versions.grad_version
+        self.resident = capability(backend, DeviceResident)
+        self.traces = _tracing.supported(backend)
+        self.fp16: dict[Any, bool] = {}  # dtype -> whether it is float16 (asked once)
+        # The adapter's fused check raises ValueError for a non-float32 gradient before
+        # it runs (LossScaling's optional attribute): then the core reads the dtypes
+        # only to word that error, not on every step.
+        self.rejects_non_float32 = bool(getattr(backend, "rejects_non_float32", False))
+
+    def is_fp16(self, dtype: Any) -> bool:
+        known = self.fp16.get(dtype)
+        if known is None:
+            known = self.fp16[dtype] = self.backend.dtype_name(dtype) == "float16"
+        return known
 
 
 class ScalerState:
@@ -75,7 +105,7 @@ class ScalerState:
     # optimizer -> (the shape of its param_groups, its parameters), reused while the
     # groups stay the same lists: rebuilding it is a pass over every parameter
     _param_lists: "weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]]"
-    _tracing_known: tuple[Any, bool] | None = None  # (adapter, whether it has traces)
+    _caps_known: _Caps | None = None  # the adapter's capabilities (_caps())
 
     @property
     def adapter_view(self) -> AdapterView:
@@ -86,6 +116,12 @@ class ScalerState:
         if self._backend is None:
             self._backend = get_backend()
         return self._backend
+
+    def _caps(self) -> _Caps:
+        caps = self._caps_known
+        if caps is None or caps.backend is not self._backend:
+            caps = self._caps_known = _Caps(self._be())
+        return caps
 
     def _new_iteration(self) -> None:
         # What happened since the last update(): per-optimizer stages keyed by id() as in
@@ -108,11 +144,10 @@ class ScalerState:
     @property
     def _version(self) -> Any:
         """The adapter's gradient version counter, or a stand-in that has none."""
-        versions = capability(self._be(), GradVersions)
-        return _no_version if versions is None else versions.grad_version
+        return self._caps().version
 
     def _steps_on_device(self, optimizer: Any) -> bool:
-        backend = capability(self._be(), DeviceResident)
+        backend = self._caps().resident
         if backend is None or not backend.steps_on_device(optimizer):
             return False
         if self._dev is None:
@@ -124,9 +159,9 @@ class ScalerState:
         """Whether ``what`` runs inside a trace (_tracing.py), raising where it cannot
         run there as it does eagerly. Inside one the scale lives on the device from
         then on, starting from the copy kept current until then."""
-        backend = self._be()
-        if not self._can_trace():
+        if not self._caps().traces:
             return False  # (what enter() and mirror() answer for such an adapter)
+        backend = self._be()
         if not _tracing.enter(backend, what, (self._growth_factor, self._backoff_factor)):
             if self._dev is None and self._trace_copy is None:
                 self._mirror()  # after unpickling
@@ -137,11 +172,7 @@ class ScalerState:
 
     def _can_trace(self) -> bool:
         """Whether the adapter has traces at all; asked once (a step asks often)."""
-        backend = self._be()
-        known = self._tracing_known
-        if known is None or known[0] is not backend:
-            known = self._tracing_known = (backend, _tracing.supported(backend))
-        return known[1]
+        return self._caps().traces
 
     def _refuse_in_trace(self, what: str, kind: str) -> None:
         """Raises if ``what``, a call that needs the host, runs inside a trace."""
@@ -182,7 +213,7 @@ class ScalerState:
         """``params`` with a gradient that still needs unscaling and those gradients,
         the checks that already covered others (from the ledger), and the params with
         neither."""
-        return self._ledger.split(params, self._version)
+        return self._ledger.split(params, self._caps().version)
 
     def _rescale_held(self, params: list[Any]) -> None:
         """Brings gradients this scaler unscaled, and that still hold those values,
@@ -254,20 +285,22 @@ class ScalerState:
             grads = backend.grads(params)
         if agreement is not None and agreement.standins:
             grads = grads + agreement.standins
-        if not allow_fp16:
-            for dtype in {g.dtype for g in grads}:
-                if backend.dtype_name(dtype) == "float16":
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients. GradScaler needs float32"
-                        " parameters (and so float32 gradients): keep the model in float32"
-                        " and let autocast run the low-precision ops."
-                    )
+        caps = self._caps()
+        if not allow_fp16 and not caps.rejects_non_float32:
+            self._refuse_fp16(grads)
         flag = None
         if grads:
-            if self._dev is not None:
-                flag = self._dev.unscale_and_check(grads) if unscale else self._dev.check(grads)
-            else:
-                flag = backend.unscale_and_check(grads, self._inv_scale() if unscale else 1.0)
+            try:
+                if self._dev is not None:
+                    flag = (self._dev.unscale_and_check(grads) if unscale
+                            else self._dev.check(grads))
+                else:
+                    flag = backend.unscale_and_check(grads,
+                                                     self._inv_scale() if unscale else 1.0)
+            except ValueError:
+                if not allow_fp16:
+                    self._refuse_fp16(grads)  # float16 gets the core's words
+                raise
         if agreement is not None:
             check = agreement.check(flag, params or list(idle))
             # Every rank now covers the same parameters, gradient or not.
@@ -280,6 +313,16 @@ class ScalerState:
             check.verdict(self._read)  # the one sync
         self._checks.append(check)
         return check
+
+    def _refuse_fp16(self, grads: list[Any]) -> None:
+        is_fp16 = self._caps().is_fp16
+        for dtype in {g.dtype for g in grads}:
+            if is_fp16(dtype):
+                raise ValueError(
+                    "Attempting to unscale FP16 gradients. GradScaler needs float32"
+                    " parameters (and so float32 gradients): keep the model in float32"
+                    " and let autocast run the low-precision ops."
+                )
 
     def _unscale(self, target: Any, what: str, *, drop: bool,
                  params: list[Any] | None = None) -> None:
@@ -333,10 +376,11 @@ class ScalerState:
             state.stage = _Stage.UNSCALED
             state.checks.append(check)
 
-    def _on_scaled_backward(self) -> None:
-        # Called by the adapter when a backward pass runs through a scale() output.
+    def _on_scaled_backward(self, *_: Any) -> None:
+        # Called by the adapter when a backward pass runs through a scale() output
+        # (with its framework's hook arguments, or none).
         self._saw_backward = True
-        self._ledger.new_backward(self._version)
+        self._ledger.new_backward(self._caps().version)
 
     def _step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
                            fused_unscale: bool, args: tuple, kwargs: dict) -> Any:
@@ -426,64 +470,3 @@ class ScalerState:
 
     def _valid_scale(self, value: Any, what: str) -> float:
         return valid_scale(value, what, self._be)
-
-
-class AdapterView:
-    """What an adapter's GradScaler subclass may read of the core's state (the torch
-    adapter's ``TorchGradScaler`` derives torch.amp's private attributes from it), and
-    nothing else: ``scaler.adapter_view``. Members:
-
-    - ``enabled``, ``device`` (the constructor's, or None), ``device_scale`` (the
-      adapter's :class:`~unified_amp.interface.DeviceScale` once a fused optimizer
-      stepped, else None);
-    - ``host_scale()``: (scale, growth tracker) as the host holds them, no sync (in
-      device mode, as last read back); ``synced_scale()``: the same after reading the
-      device values back (a sync in device mode, as ``get_scale()``);
-    - ``stages()``: per optimizer (keyed by ``id()``) in this iteration, its stage
-      ("READY", "UNSCALED" or "STEPPED", torch.amp's names) and the checks behind it;
-      ``checks_of(optimizer)``: those checks. A check's ``flag`` (a device flag or
-      None), ``found`` (True, False, or None while unread) and ``ready()`` (the flag,
-      once any all-reduce of it finished) are the declared members of a check;
-    - ``check_only(optimizer)``: checks the optimizer's gradients without unscaling
-      them (torch's older ``step(grad_scaler=...)`` contract: the optimizer unscales),
-      recorded for that optimizer and counted by the next ``update()``.
-    """
-
-    __slots__ = ("_scaler",)
-
-    def __init__(self, scaler: ScalerState) -> None:
-        self._scaler = scaler
-
-    @property
-    def enabled(self) -> bool:
-        return self._scaler._enabled
-
-    @property
-    def device(self) -> str | None:
-        return self._scaler._device
-
-    @property
-    def device_scale(self) -> DeviceScale | None:
-        return self._scaler._dev
-
-    def host_scale(self) -> tuple[float, int]:
-        return self._scaler._scale_value, self._scaler._tracker
-
-    def synced_scale(self) -> tuple[float, int]:
-        self._scaler._sync_from_device()
-        return self.host_scale()
-
-    def stages(self) -> dict[int, tuple[str, list[Check]]]:
-        return {key: (state.stage.name, list(state.checks))
-                for key, state in self._scaler._opt_states.items()}
-
-    def checks_of(self, optimizer: Any) -> list[Check]:
-        state = self._scaler._opt_states.get(id(optimizer))
-        return [] if state is None else list(state.checks)
-
-    def check_only(self, optimizer: Any) -> Check:
-        scaler = self._scaler
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        check = scaler._check(params, unscale=False, read=False, allow_fp16=True)
-        scaler._opt_state(optimizer).checks.append(check)
-        return check

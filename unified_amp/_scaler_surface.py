@@ -224,7 +224,7 @@ class ScalerSurface(ScalerState):
         state["_trace_copy"] = None  # remade at the next call outside a trace
         state["_ledger"] = GradLedger()  # it refers to live tensors
         state["_param_lists"] = None  # weak references do not pickle
-        state["_tracing_known"] = None  # asked again of the adapter after loading
+        state["_caps_known"] = None  # asked again of the adapter after loading
         state["_forensics"] = None  # it refers to models; watch() again after loading
         state["_process_group"] = None  # a live communicator; give it again after loading
         state["_tail"] = {}

@@ -133,6 +133,12 @@ class LossScaling(Protocol):
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
 
+    # Optional: an adapter whose fused check takes float32 gradients only sets
+    # ``rejects_non_float32 = True`` when ``unscale_and_check`` (and its device scale's
+    # ``unscale_and_check``/``check``) raise ValueError for any other gradient before
+    # touching one; the scaler then skips its own float16 scan of every gradient and
+    # words that error for float16 gradients itself.
+
 
 @runtime_checkable
 class OptLevelCasting(Protocol):
@@ -245,7 +251,9 @@ class BackwardHooks(Protocol):
 
     def watch_backward(self, tensor: Any, callback: Any) -> bool:
         """Arranges for ``callback()`` to run when a backward pass goes through
-        ``tensor``; False if it cannot."""
+        ``tensor``; False if it cannot. ``callback`` ignores any arguments it is given
+        (so the adapter may register it as the framework's hook itself) and returns
+        None."""
 
 
 class DeviceScale(Protocol):

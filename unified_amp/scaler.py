@@ -183,30 +183,30 @@ class GradScaler(ScalerSurface):
             return outputs
         self._traced("GradScaler.scale()")
         self._forensics.saw_loss(outputs)
-        backend = self._be()
-        hooks = capability(backend, BackwardHooks)
+        return self._scaled(outputs, "outputs")
 
-        def apply(val: Any, where: str) -> Any:
-            if backend.is_tensor(val):
-                out = self._dev.scale(val) if self._dev is not None else backend.scale(
-                    val, self._scale_value)
-                if hooks is not None and hooks.watch_backward(out, self._on_scaled_backward):
-                    self._handed_watched = True
-                else:
-                    self._handed_blind = True
-                    self._ledger.new_backward(self._version)  # a backward may follow unseen
-                return out
-            if isinstance(val, (list, tuple)):
-                return type(val)(apply(v, f"{where}[{i}]") for i, v in enumerate(val))
-            if isinstance(val, Iterable) and not isinstance(val, (str, bytes, Mapping)):
-                return map(lambda v: apply(v, f"{where}[...]"), val)
-            raise ValueError(
-                f"GradScaler.scale() expects a {backend.name} tensor or a list/tuple of"
-                f" them; {where} is {type(val).__name__} {_short(val)}. Scale only the"
-                f" loss (or outputs) you call backward on."
-            )
-
-        return apply(outputs, "outputs")
+    def _scaled(self, val: Any, where: str) -> Any:
+        caps = self._caps()
+        backend = caps.backend
+        if backend.is_tensor(val):
+            out = self._dev.scale(val) if self._dev is not None else backend.scale(
+                val, self._scale_value)
+            hooks = caps.hooks
+            if hooks is not None and hooks.watch_backward(out, self._on_scaled_backward):
+                self._handed_watched = True
+            else:
+                self._handed_blind = True
+                self._ledger.new_backward(self._version)  # a backward may follow unseen
+            return out
+        if isinstance(val, (list, tuple)):
+            return type(val)(self._scaled(v, f"{where}[{i}]") for i, v in enumerate(val))
+        if isinstance(val, Iterable) and not isinstance(val, (str, bytes, Mapping)):
+            return map(lambda v: self._scaled(v, f"{where}[...]"), val)
+        raise ValueError(
+            f"GradScaler.scale() expects a {backend.name} tensor or a list/tuple of"
+            f" them; {where} is {type(val).__name__} {_short(val)}. Scale only the"
+            f" loss (or outputs) you call backward on."
+        )
 
     def backward(self, gm: Any, y: Any = None, dy: Any = None, *,
                  unscale_grad: bool = True, update_scale: bool = True) -> None:

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import megengine
 import megengine.functional as F
+from megengine import distributed as dist  # (import megengine loads it already)
 
 from unified_amp import interface
 
@@ -22,15 +23,12 @@ class Collectives(interface.Collectives):
     """
 
     def world_group(self) -> Any:
-        from megengine import distributed as dist
-
+        # Asked at every check: no import statement here.
         if not dist.is_distributed() or dist.get_world_size() < 2:
             return None
         return dist.group.WORLD
 
     def check_group(self, group: Any) -> None:
-        from megengine import distributed as dist
-
         if not dist.is_distributed():
             raise RuntimeError(
                 "GradScaler(process_group=...) was given a group, but megengine.distributed"

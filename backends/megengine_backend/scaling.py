@@ -9,6 +9,8 @@ from typing import Any, Sequence
 import numpy as np
 
 import megengine.functional as F
+from megengine.core._imperative_rt.core2 import Tensor as RawTensor
+from megengine.core._imperative_rt.core2 import get_device
 from megengine.functional.math import _check_non_finite
 
 from unified_amp import interface
@@ -16,9 +18,18 @@ from unified_amp import interface
 from .basics import dtype_name
 
 
+# The C++ getters behind Tensor.dtype / Tensor.device, without the Python property's
+# frame: a step reads them for every gradient.
+_dtype_of = RawTensor.dtype.__get__
+_FLOAT32 = np.dtype("float32")
+
+
 def require_float32(grads: Sequence[Any]) -> None:
-    """Raises ValueError for a gradient MegEngine's fused ``_check_non_finite`` cannot
-    take: it checks and unscales float32 gradients only."""
+    """Raises ValueError, before anything runs, for a gradient MegEngine's fused
+    ``_check_non_finite`` cannot take: it checks and unscales float32 gradients only
+    (anything else fails later, on its worker thread)."""
+    if all(d is _FLOAT32 or d == _FLOAT32 for d in set(map(_dtype_of, grads))):
+        return
     for g in grads:
         if g.dtype != np.float32:
             raise ValueError(
@@ -26,6 +37,19 @@ def require_float32(grads: Sequence[Any]) -> None:
                 f" {dtype_name(g.dtype)} gradient of shape {tuple(g.shape)}. Keep"
                 f" parameters in float32 and let autocast cast the compute."
             )
+
+
+def by_device(grads: Sequence[Any]) -> list[list[Any]]:
+    """``grads`` grouped by device, in first-seen order (one kernel call per device)."""
+    try:
+        get_device(*grads)  # one C++ pass; raises where the devices differ
+        return [list(grads)]
+    except ValueError:
+        pass
+    groups: dict[Any, list[Any]] = defaultdict(list)  # CompNode -> gradients
+    for g in grads:
+        groups[g.device].append(g)
+    return list(groups.values())
 
 
 class LossScaling(interface.LossScaling):
@@ -43,14 +67,15 @@ class LossScaling(interface.LossScaling):
             return [F.full_like(y, scale) for y in ys]
         return [dy * scale for dy in dys]
 
+    # unscale_and_check() refuses a non-float32 gradient itself (ValueError, before any
+    # kernel runs), so the core need not read every dtype a second time.
+    rejects_non_float32 = True
+
     def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
         require_float32(grads)
-        by_device: dict[Any, list[Any]] = defaultdict(list)  # CompNode -> gradients
-        for g in grads:
-            by_device[g.device].append(g)
         # One fused kernel per device; it unscales in place and returns an int32 flag.
-        flags = [_check_non_finite(same, inv_scale) for same in by_device.values()]
-        return flags
+        return [_check_non_finite(same, inv_scale) for same in by_device(grads)]
 
     def flag_is_set(self, flag: Any) -> bool:
-        return any(bool(f.item()) for f in flag)
+        # numpy(), not item(): item() computes the size through numpy first.
+        return any(bool(f.numpy()) for f in flag)

@@ -35,6 +35,7 @@ class TorchBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCasting,
 
     def __init__(self) -> None:
         self._scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
+        self._inv_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
 
 
 if TYPE_CHECKING:  # mypy holds the adapter to the interface (make typecheck)

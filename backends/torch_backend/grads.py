@@ -109,7 +109,14 @@ class Gradients(interface.Gradients, interface.GradVersions,
     def watch_backward(self, tensor: torch.Tensor, callback: Any) -> bool:
         if not tensor.requires_grad:
             return False
-        tensor.register_hook(lambda grad: callback())  # returns None: grad unchanged
+        node = tensor.grad_fn
+        if node is not None:
+            # A pre-hook on the node that made the tensor runs when a backward pass
+            # reaches it, as a tensor hook would, at half the cost to register (no
+            # Python-side handle dictionary on the tensor): scale() does it every step.
+            node.register_prehook(callback)  # returns None: the gradients unchanged
+        else:
+            tensor.register_hook(callback)
         return True
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float,

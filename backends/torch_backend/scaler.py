@@ -16,6 +16,14 @@ from unified_amp.scaler import GradScaler
 from .device_scale import TorchDeviceScale
 from .scaling import by_device, check_and_unscale_per_device
 
+# The eager shortcut around torch.compiler.disable needs dynamo's frame-evaluator getter:
+# checked on torch 2.13; on 2.7 calling it from a compiled step crashes the process, and
+# the versions between are untested, so they keep the disable wrapper on every call.
+_CHEAP_EAGER = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) \
+    >= (2, 13) and hasattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback")
+_frame_evaluator: Any = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback",
+                                None)
+
 
 class NativeScaler(interface.NativeScalerClass):
     """Which GradScaler subclass ``amp.GradScaler(...)`` makes on torch."""
@@ -37,16 +45,38 @@ _HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get
 
 
 def _run_eagerly(cls: type) -> type:
-    def eager(name: str) -> Any:
-        # The core's method looked up at call time (a patched or overridden one too).
-        @functools.wraps(getattr(GradScaler, name))
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def eager(name: str, own: Any) -> Any:
+        # The class's own override, else the core's method looked up at call time (a
+        # patched or overridden one too).
+        @functools.wraps(own or getattr(GradScaler, name))
+        def core(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if own is not None:
+                return own(self, *args, **kwargs)
             return getattr(super(cls, self), name)(*args, **kwargs)
-        return torch.compiler.disable(method)
+
+        disabled = torch.compiler.disable(core)
+        if not _CHEAP_EAGER:
+            return disabled
+
+        @functools.wraps(own or getattr(GradScaler, name))
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Under compiled code (dynamo's frame evaluator installed: a graph-broken
+            # or eagerly run part of a compiled function) through disable(), so that
+            # the core's frames are never compiled; eagerly the core directly, without
+            # the disable wrapper's two frame-evaluator switches (microseconds per call,
+            # and scale/step/update run every step).
+            if _frame_evaluator() is not None:
+                return disabled(self, *args, **kwargs)
+            return core(self, *args, **kwargs)
+
+        # dynamo never traces into it (a call from compiled code is a graph break, as
+        # for a disabled function) nor compiles its frame.
+        method._torchdynamo_disable = True  # type: ignore[attr-defined]
+        torch._dynamo.eval_frame.skip_code(method.__code__)  # type: ignore[attr-defined]
+        return method
 
     for name in _HOST_SIDE:
-        own = cls.__dict__.get(name)  # the class's own override runs eagerly as is
-        setattr(cls, name, torch.compiler.disable(own) if own else eager(name))
+        setattr(cls, name, eager(name, cls.__dict__.get(name)))
     factor = cast(property, inspect.getattr_static(GradScaler, "scale_factor"))
     cls.scale_factor = property(  # type: ignore[attr-defined]
         torch.compiler.disable(factor.fget), torch.compiler.disable(factor.fset),

@@ -2,47 +2,68 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Sequence
 
 import torch
 
 from unified_amp import interface
 
+# device -> (a float, that float as a float32 0-dim tensor on the device)
+_Cache = dict[torch.device, tuple[float, torch.Tensor]]
 
-def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any
+
+def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any,
+                                 cache: _Cache | None = None
                                  ) -> dict[torch.device, torch.Tensor]:
     """torch's fused kernel over grads of any devices/dtypes (it takes one of each per
     call); ``inv_scale`` is a float or a float32 0-dim tensor. Returns a found_inf flag
-    (float32) per device. No host sync."""
-    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-        lambda: defaultdict(list))
+    (float32) per device. No host sync. ``cache``: where the float's tensor per device
+    is kept between calls (the kernel only reads it)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         if g.is_sparse:
             g = g._values()
-        groups[g.device][g.dtype].append(g)
+        key = (g.device, g.dtype)
+        same = groups.get(key)
+        if same is None:
+            groups[key] = [g]
+        else:
+            same.append(g)
     found: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
-        for device, by_dtype in groups.items():
-            found_inf = torch.zeros((), dtype=torch.float32, device=device)
-            if isinstance(inv_scale, torch.Tensor):
-                inv = inv_scale.to(device, non_blocking=True)
-            else:
-                # Filled in float64 and cast, so that the reciprocal of a scale that
-                # has underflowed (after ~144 overflows in a row) becomes inf, as in
-                # torch.amp, instead of failing to convert.
-                inv = torch.full((), inv_scale, dtype=torch.float64,
-                                 device=device).float()
-            for same in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
-            found[device] = found_inf
+        for (device, _), same in groups.items():
+            found_inf = found.get(device)
+            if found_inf is None:
+                found_inf = found[device] = torch.zeros((), dtype=torch.float32,
+                                                        device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                same, found_inf, _inv_tensor(inv_scale, device, cache))
     return found
 
 
+def _inv_tensor(inv_scale: Any, device: torch.device, cache: _Cache | None
+                ) -> torch.Tensor:
+    if isinstance(inv_scale, torch.Tensor):
+        return inv_scale.to(device, non_blocking=True)
+    cached = None if cache is None else cache.get(device)
+    if cached is None or cached[0] != inv_scale:
+        # Filled in float64 and cast, so that the reciprocal of a scale that has
+        # underflowed (after ~144 overflows in a row) becomes inf, as in torch.amp,
+        # instead of failing to convert.
+        cached = (inv_scale, torch.full((), inv_scale, dtype=torch.float64,
+                                        device=device).float())
+        if cache is not None:
+            cache[device] = cached
+    return cached[1]
+
+
 def check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
-                      found_on: torch.device | None = None) -> torch.Tensor:
+                      found_on: torch.device | None = None,
+                      cache: _Cache | None = None) -> torch.Tensor:
     """The same, as one flag on ``found_on`` (default: the first gradient's device)."""
-    found = list(check_and_unscale_per_device(grads, inv_scale).values())
+    found = list(check_and_unscale_per_device(grads, inv_scale, cache).values())
+    if found_on is None and len(found) == 1:
+        return found[0]  # the usual case: one device, no copy to make
     target = found_on or found[0].device
     total = found[0].to(target, non_blocking=True)
     for f in found[1:]:
@@ -63,7 +84,8 @@ class LossScaling(interface.LossScaling):
 
     scale_key_aliases: tuple[str, ...] = ()
 
-    _scale_cache: dict[torch.device, tuple[float, torch.Tensor]]
+    _scale_cache: _Cache
+    _inv_cache: _Cache
 
     def _scale_tensor(self, scale: float, device: torch.device) -> torch.Tensor:
         # A float32 0-dim tensor, as torch.amp keeps its scale: y * tensor gives the same
@@ -84,7 +106,7 @@ class LossScaling(interface.LossScaling):
         return [dy * self._scale_tensor(scale, dy.device) for dy in dys]
 
     def unscale_and_check(self, grads: Sequence[torch.Tensor], inv_scale: float) -> Any:
-        return check_and_unscale(grads, inv_scale)
+        return check_and_unscale(grads, inv_scale, cache=self._inv_cache)
 
     def flag_is_set(self, flag: torch.Tensor) -> bool:
         return bool(flag.item())

@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import unified_amp as amp
+from unified_amp import _registry
 
 from ..reference import trajectory
-from .fake_backend import FakeOptimizer, FakeTensor, linear_loss
+from .fake_backend import FakeBackend, FakeOptimizer, FakeTensor, linear_loss
 
 
 def make_model(n=3):
@@ -268,6 +269,46 @@ def test_float16_gradients_are_refused(fake):
     assert p.grad.dtype == "float16"
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
         scaler.unscale([p])
+
+
+class _Float32OnlyBackend(FakeBackend):
+    """An adapter whose fused check takes float32 gradients only and says so
+    (``rejects_non_float32``, as MegEngine's): it refuses anything else itself."""
+
+    rejects_non_float32 = True
+
+    def __init__(self):
+        super().__init__()
+        self.kernel_calls = 0
+
+    def unscale_and_check(self, grads, inv_scale):
+        for g in grads:
+            if g.dtype != "float32":
+                raise ValueError(f"the fused check takes float32 only; got {g.dtype}")
+        self.kernel_calls += 1
+        return super().unscale_and_check(grads, inv_scale)
+
+
+@pytest.mark.parametrize("dtype,message", [
+    ("float16", "Attempting to unscale FP16 gradients"),  # the core's words, as before
+    ("bfloat16", "the fused check takes float32 only; got bfloat16"),  # the adapter's
+])
+def test_an_adapter_that_refuses_non_float32_keeps_the_core_message_for_float16(
+        dtype, message):
+    backend = _Float32OnlyBackend()
+    amp.register_backend("fake", lambda: backend)
+    amp.set_backend("fake")
+    try:
+        ok, low = FakeTensor([1.0]), FakeTensor([1.0], dtype=dtype)
+        scaler = amp.GradScaler(init_scale=4.0)
+        gm = amp.GradManager([ok, low])
+        with gm:
+            gm.backward(scaler.scale(linear_loss([ok, low], [[1.0], [1.0]])))
+        with pytest.raises(ValueError, match=message):
+            scaler.unscale(gm)
+        assert backend.kernel_calls == 0 and ok.grad.values == [4.0]  # nothing unscaled
+    finally:
+        _registry._reset_for_tests()
 
 
 # -- validation ------------------------------------------------------------------------

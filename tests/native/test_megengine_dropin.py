@@ -193,3 +193,28 @@ def test_checkpoints_move_both_ways_between_the_scalers():
     back = OURS()
     back.load_state_dict(native.state_dict())
     assert back.state_dict() == ours.state_dict()
+
+
+@pytest.mark.parametrize("overflow_on", [None, "cpu0", "cpu1"])
+def test_gradients_on_two_devices_are_checked_and_unscaled_per_device(overflow_on):
+    """MegEngine's fused kernel takes the gradients of one device per call; the adapter
+    groups them only where get_device() finds more than one (the usual single device
+    takes one pass). Two CPU comp nodes stand in for two GPUs."""
+    params = [mge.Parameter(np.array([1.0, 2.0], "float32"), device=d)
+              for d in ("cpu0", "cpu1", "cpu0")]
+    gm = GradManager().attach(params)
+    scaler = OURS(init_scale=4.0)
+    with gm:
+        loss = sum(((p * mge.tensor([3.0, 5.0], device=p.device)).sum()).to("cpu0")
+                   for p in params)
+        if overflow_on is not None:
+            loss = loss + (params[0 if overflow_on == "cpu0" else 1] * np.inf).sum().to(
+                "cpu0")
+        scaler.backward(gm, loss)
+    if overflow_on is None:
+        assert [p.grad.numpy().tolist() for p in params] == [[3.0, 5.0]] * 3
+        assert [str(p.grad.device).split(":")[0] for p in params] == ["cpu0", "cpu1", "cpu0"]
+        assert scaler.get_scale() == 4.0
+    else:  # one device's overflow skips every gradient, as megengine.amp's single check
+        assert all(p.grad is None for p in params)
+        assert scaler.get_scale() == 2.0

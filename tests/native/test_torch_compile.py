@@ -500,3 +500,45 @@ def test_training_with_compiled_code_is_bit_identical_to_torch_amp(compiled, opt
     assert history == native_history
     assert history[1][1] == 2.0**15  # the overflow was seen and skipped
     assert all(torch.equal(a, b) for a, b in zip(params, native_params))
+
+
+class _UnknownContext:
+    """A context manager dynamo does not know: a graph break inside it makes dynamo run
+    the rest of the frame eagerly, with its frame evaluator still installed."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_scalers_host_side_is_never_compiled_from_an_eagerly_run_compiled_frame(
+        monkeypatch):
+    """The scaler's public methods skip torch.compiler.disable's wrapper when no compiled
+    code is running (it costs microseconds per call); from a compiled frame that dynamo
+    runs eagerly they must still go through it, or the core's own frames get compiled."""
+    seen = []
+    check = amp.GradScaler._check
+    monkeypatch.setattr(amp.GradScaler, "_check", lambda self, *a, **k: (
+        seen.append(torch.compiler.is_compiling()), check(self, *a, **k))[1])
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = amp.GradScaler("cpu")
+
+    def step():
+        with _UnknownContext():
+            loss = (p * 2).sum()
+            scaler.scale(loss).backward()
+            torch._dynamo.graph_break()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return loss
+
+    compiled = torch.compile(step, backend="eager")
+    for _ in range(3):
+        compiled()
+    assert seen == [False] * 3
+    assert scaler.get_scale() == 2.0**16  # three clean steps, each stepped:
+    assert torch.allclose(p.detach(), torch.full((3,), 1.0 - 3 * 0.1 * 2))

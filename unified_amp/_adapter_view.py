@@ -1,0 +1,71 @@
+"""``AdapterView``: the members of a GradScaler's state an adapter may read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._ledger import Check
+from .interface import DeviceScale
+
+__all__ = ["AdapterView"]
+
+
+class AdapterView:
+    """What an adapter's GradScaler subclass may read of the core's state (the torch
+    adapter's ``TorchGradScaler`` derives torch.amp's private attributes from it), and
+    nothing else: ``scaler.adapter_view``. Members:
+
+    - ``enabled``, ``device`` (the constructor's, or None), ``device_scale`` (the
+      adapter's :class:`~unified_amp.interface.DeviceScale` once a fused optimizer
+      stepped, else None);
+    - ``host_scale()``: (scale, growth tracker) as the host holds them, no sync (in
+      device mode, as last read back); ``synced_scale()``: the same after reading the
+      device values back (a sync in device mode, as ``get_scale()``);
+    - ``stages()``: per optimizer (keyed by ``id()``) in this iteration, its stage
+      ("READY", "UNSCALED" or "STEPPED", torch.amp's names) and the checks behind it;
+      ``checks_of(optimizer)``: those checks. A check's ``flag`` (a device flag or
+      None), ``found`` (True, False, or None while unread) and ``ready()`` (the flag,
+      once any all-reduce of it finished) are the declared members of a check;
+    - ``check_only(optimizer)``: checks the optimizer's gradients without unscaling
+      them (torch's older ``step(grad_scaler=...)`` contract: the optimizer unscales),
+      recorded for that optimizer and counted by the next ``update()``.
+    """
+
+    __slots__ = ("_scaler",)
+
+    def __init__(self, scaler: Any) -> None:  # a ScalerState (which imports this)
+        self._scaler = scaler
+
+    @property
+    def enabled(self) -> bool:
+        return self._scaler._enabled
+
+    @property
+    def device(self) -> str | None:
+        return self._scaler._device
+
+    @property
+    def device_scale(self) -> DeviceScale | None:
+        return self._scaler._dev
+
+    def host_scale(self) -> tuple[float, int]:
+        return self._scaler._scale_value, self._scaler._tracker
+
+    def synced_scale(self) -> tuple[float, int]:
+        self._scaler._sync_from_device()
+        return self.host_scale()
+
+    def stages(self) -> dict[int, tuple[str, list[Check]]]:
+        return {key: (state.stage.name, list(state.checks))
+                for key, state in self._scaler._opt_states.items()}
+
+    def checks_of(self, optimizer: Any) -> list[Check]:
+        state = self._scaler._opt_states.get(id(optimizer))
+        return [] if state is None else list(state.checks)
+
+    def check_only(self, optimizer: Any) -> Check:
+        scaler = self._scaler
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        check = scaler._check(params, unscale=False, read=False, allow_fp16=True)
+        scaler._opt_state(optimizer).checks.append(check)
+        return check
