@@ -63,9 +63,9 @@ class _Caps:
         self.traces = _tracing.supported(backend)
         self.fp16: dict[Any, bool] = {}  # dtype -> whether it is float16 (asked once)
         # The adapter's fused check raises ValueError for a non-float32 gradient before
-        # it runs (LossScaling's optional attribute): then the core reads the dtypes
-        # only to word that error, not on every step.
-        self.rejects_non_float32 = bool(getattr(backend, "rejects_non_float32", False))
+        # it runs (LossScaling.rejects_non_float32): then the core reads the dtypes only
+        # to word that error, not on every step.
+        self.rejects_non_float32 = backend.rejects_non_float32
 
     def is_fp16(self, dtype: Any) -> bool:
         known = self.fp16.get(dtype)

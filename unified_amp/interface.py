@@ -115,6 +115,11 @@ class LossScaling(Protocol):
     # it so that scaler can resume from a unified_amp checkpoint (megengine.amp reads
     # "scale_factor"); empty where the framework reads "scale" itself.
     scale_key_aliases: tuple[str, ...]
+    # True where ``unscale_and_check`` (and its device scale's ``unscale_and_check`` and
+    # ``check``) raise ValueError for any gradient that is not float32, before touching
+    # one: the scaler then skips its own float16 scan of every gradient, and words that
+    # error for float16 gradients itself.
+    rejects_non_float32: bool
 
     def scale(self, y: Any, scale: float) -> Any:
         """``y`` times the loss scale, as the framework's own scaler would compute it."""
@@ -132,12 +137,6 @@ class LossScaling(Protocol):
 
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
-
-    # Optional: an adapter whose fused check takes float32 gradients only sets
-    # ``rejects_non_float32 = True`` when ``unscale_and_check`` (and its device scale's
-    # ``unscale_and_check``/``check``) raise ValueError for any other gradient before
-    # touching one; the scaler then skips its own float16 scan of every gradient and
-    # words that error for float16 gradients itself.
 
 
 @runtime_checkable

@@ -69,7 +69,7 @@ class LossScaling(interface.LossScaling):
 
     # unscale_and_check() refuses a non-float32 gradient itself (ValueError, before any
     # kernel runs), so the core need not read every dtype a second time.
-    rejects_non_float32 = True
+    rejects_non_float32: bool = True
 
     def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
         require_float32(grads)

@@ -83,6 +83,7 @@ class LossScaling(interface.LossScaling):
     """Multiplying by the scale as torch.amp does, and the fused check of the gradients."""
 
     scale_key_aliases: tuple[str, ...] = ()
+    rejects_non_float32: bool = False  # torch's kernel takes float16 too: the core checks
 
     _scale_cache: _Cache
     _inv_cache: _Cache

@@ -289,6 +289,7 @@ class FakeBackend(interface.Backend):
         return norm
 
     scale_key_aliases: tuple[str, ...] = ()
+    rejects_non_float32: bool = False
 
     def scale(self, y, scale):
         return FakeTensor([v * scale for v in y.values], y.dtype,
