@@ -45,13 +45,18 @@ def _inv_tensor(inv_scale: Any, device: torch.device, cache: _Cache | None
                 ) -> torch.Tensor:
     if isinstance(inv_scale, torch.Tensor):
         return inv_scale.to(device, non_blocking=True)
+    return _float32_scalar(inv_scale, device, cache)
+
+
+def _float32_scalar(value: float, device: torch.device, cache: _Cache | None
+                    ) -> torch.Tensor:
+    """``value`` as a float32 0-dim tensor on ``device``, kept in ``cache`` until the
+    value changes. Filled in float64 and cast, so that the reciprocal of a scale that
+    has underflowed (after ~144 overflows in a row) becomes inf, as in torch.amp,
+    instead of failing to convert; a float32 number casts to itself."""
     cached = None if cache is None else cache.get(device)
-    if cached is None or cached[0] != inv_scale:
-        # Filled in float64 and cast, so that the reciprocal of a scale that has
-        # underflowed (after ~144 overflows in a row) becomes inf, as in torch.amp,
-        # instead of failing to convert.
-        cached = (inv_scale, torch.full((), inv_scale, dtype=torch.float64,
-                                        device=device).float())
+    if cached is None or cached[0] != value:
+        cached = (value, torch.full((), value, dtype=torch.float64, device=device).float())
         if cache is not None:
             cache[device] = cached
     return cached[1]
@@ -91,11 +96,7 @@ class LossScaling(interface.LossScaling):
     def _scale_tensor(self, scale: float, device: torch.device) -> torch.Tensor:
         # A float32 0-dim tensor, as torch.amp keeps its scale: y * tensor gives the same
         # bits as torch.amp.GradScaler.scale(y). Cached until the scale changes.
-        cached = self._scale_cache.get(device)
-        if cached is None or cached[0] != scale:
-            cached = (scale, torch.full((), scale, dtype=torch.float32, device=device))
-            self._scale_cache[device] = cached
-        return cached[1]
+        return _float32_scalar(scale, device, self._scale_cache)
 
     def scale(self, y: torch.Tensor, scale: float) -> torch.Tensor:
         return y * self._scale_tensor(scale, y.device)
