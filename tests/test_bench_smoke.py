@@ -14,13 +14,20 @@ import unified_amp as amp
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_benchmark_writes_json_and_plot(tmp_path):
-    backend = amp.get_backend().name
-    env = dict(os.environ, UNIFIED_AMP_BACKEND=backend, MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--quick", "--out",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+def run_benchmark(module, *args, backend=None):
+    """``python -m benchmarks.<module> --quick *args`` from the checkout, on ``backend``
+    (default: this run's); fails the test with its stderr if it fails."""
+    env = dict(os.environ, UNIFIED_AMP_BACKEND=backend or amp.get_backend().name,
+               MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick",
+                           *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_quick_benchmark_writes_json_and_plot(tmp_path):
+    backend = amp.get_backend().name
+    run_benchmark("bench", "--out", tmp_path)
     (json_path,) = tmp_path.glob(f"{backend}-*-quick.json")
     assert json_path.with_suffix(".png").stat().st_size > 10_000
     result = json.loads(json_path.read_text())
@@ -57,11 +64,7 @@ def test_quick_compile_benchmark_runs_every_variant(tmp_path):
     JSON holds each ratio the docs quote."""
     if amp.get_backend().name != "torch":
         pytest.skip("torch.compile is torch's; MegEngine's trace has benchmarks/trace_megengine.py")
-    env = dict(os.environ, UNIFIED_AMP_BACKEND="torch", MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile", "--quick",
-                           "--workloads", "transformer", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_benchmark("compile", "--workloads", "transformer", "--out", tmp_path, backend="torch")
     result = json.loads((tmp_path / "torch-cpu-compile-quick.json").read_text())
     from unified_amp.backends.torch_backend.autocast import TRACEABLE
 
@@ -79,11 +82,7 @@ def test_mode_cost_benchmark_times_each_variant(tmp_path):
     """benchmarks/mode_cost.py (torch only): the four variants timed, per call."""
     if amp.get_backend().name != "torch":
         pytest.skip("the contract's function mode is torch's")
-    env = dict(os.environ, UNIFIED_AMP_BACKEND="torch")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.mode_cost", "--quick", "--out",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_benchmark("mode_cost", "--out", tmp_path, backend="torch")
     result = json.loads((tmp_path / "mode-cost-torch.json").read_text())
     assert set(result["us_per_call"]) == {"torch.autocast", "+ empty mode", "amp.autocast",
                                           "amp.autocast(contract=False)"}
