@@ -187,6 +187,22 @@ class ScalerState:
                                                self._scale_value, self._tracker,
                                                self._skipped_steps)
 
+    def _mirror_ahead(self) -> bool:
+        """Writes the trace copy with what update() will give if this step finds no
+        inf/NaN, before a backward pass that unscales and updates at once
+        (``backward(gm, loss)``'s default): the write then joins the device work already
+        queued instead of waking MegEngine's worker after the flag read, and update()'s
+        own _mirror() writes nothing unless an overflow made the guess wrong. Returns
+        whether it wrote: the caller must then _mirror() if the step fails part-way."""
+        if not (self._enabled and self._dev is None and self._can_trace()
+                and self._trace_copy is not None):
+            return False
+        scale, tracker = next_scale(self._scale_value, self._tracker, False,
+                                    self._growth_factor, self._backoff_factor,
+                                    self._growth_interval)
+        self._trace_copy.write(scale, tracker, self._skipped_steps)
+        return True
+
     def _inv_scale(self) -> float:
         # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
         # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
@@ -344,7 +360,8 @@ class ScalerState:
                 )
         if params is None:
             params = params_of(target, self._be(), f"GradScaler.{what}")
-        distributed.note_module(self._be(), target)
+            distributed.note_module(self._be(), target)
+        # (else backward() passed its GradManager's parameters: no module to note)
         pending, grads, done, idle = self._split(params)
         if done:
             raise RuntimeError(

@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
-from . import distributed
+from . import _tracing, distributed
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from ._ledger import Check, GradLedger
 from ._registry import get_backend
@@ -235,9 +235,14 @@ class GradScaler(ScalerSurface):
         if not self._enabled:
             gm.backward(y, dy)
             return
-        if unscale_grad:
-            self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
-        self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
+        if not self._can_trace():
+            pass
+        elif _tracing.mode(self._be()) is not None:
+            if unscale_grad:
+                self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
+            self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
+        elif self._dev is None and self._trace_copy is None:
+            self._mirror()  # after unpickling, as _traced() does outside a trace
         ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
         if dy is None:
             dys = None
@@ -259,13 +264,19 @@ class GradScaler(ScalerSurface):
         self._ledger.new_backward(self._version)
         self._handed_blind = True
         self._forensics.saw_loss(ys)
-        gm.backward(ys, cotangents)
-        if unscale_grad:
-            self._unscale(gm, "unscale()", drop=True, params=attached)
-            if update_scale:
-                self._update(None)  # not the user's: the ledger's iteration goes on
-                self._updated_by_backward = True
-            self._ledger.weaken()  # the user's step, zero_grad and next forward follow
+        ahead = unscale_grad and update_scale and self._mirror_ahead()
+        try:
+            gm.backward(ys, cotangents)
+            if unscale_grad:
+                self._unscale(gm, "unscale()", drop=True, params=attached)
+                if update_scale:
+                    self._update(None)  # not the user's: the ledger's iteration goes on
+                    self._updated_by_backward = True
+                self._ledger.weaken()  # the user's step, zero_grad and next forward follow
+        except BaseException:
+            if ahead:
+                self._mirror()  # back to the host's values: this step did not update
+            raise
 
     def unscale(self, target: Any) -> "GradScaler":
         """Divides the gradients of ``target`` by the scale, in place, and checks them

@@ -236,3 +236,84 @@ def test_a_trace_the_scaler_cannot_follow_raises_before_scaling(fake, case):
         scaler.scale(loss_of(params, False))
     fake.tracing = None
     assert scaler._dev is None
+
+
+def _host(scaler):
+    state = scaler.state_dict()
+    return state["scale"], state["_growth_tracker"], scaler.stats()["skipped_steps"]
+
+
+def test_backward_writes_the_copy_ahead_and_corrects_it_after_an_overflow(fake):
+    """backward(gm, loss) writes the trace copy before its backward pass with the
+    values a clean step gives; after each step, overflow or not, the copy holds the
+    host's values, so a trace that starts next starts from them."""
+    params, opt = model()
+    scaler = amp.GradScaler(init_scale=2.0**4, growth_interval=2)
+    copy = fake.copies[-1]
+    seen = []
+    gm = amp.GradManager(params)
+    real_backward = gm.backward
+
+    def backward(ys, dys):  # what the copy holds while the backward pass runs
+        seen.append((copy.scale_v, copy.tracker_v, copy.skipped_v))
+        real_backward(ys, dys)
+
+    gm.backward = backward
+    for overflow in OVERFLOWS:
+        before = _host(scaler)
+        with gm:
+            scaler.backward(gm, loss_of(params, overflow))
+        opt.step()
+        gm.zero_grad()
+        clean = next_scale(before[0], before[1], False, 2.0, 0.5, 2)
+        assert seen[-1] == (*clean, before[2])  # ahead: the clean step's values
+        assert (copy.scale_v, copy.tracker_v, copy.skipped_v) == _host(scaler)
+    assert scaler.stats()["skipped_steps"] == 2
+
+
+def test_a_backward_that_fails_part_way_leaves_the_copy_at_the_hosts_values(fake):
+    params, opt = model()
+    scaler = amp.GradScaler(init_scale=2.0**4, growth_interval=2)
+    copy = fake.copies[-1]
+    gm = amp.GradManager(params)
+    with gm:
+        scaler.backward(gm, loss_of(params, False))
+    gm.zero_grad()
+    before = _host(scaler)
+
+    def failing(ys, dys):
+        raise RuntimeError("the framework's backward failed")
+
+    gm.backward = failing
+    with pytest.raises(RuntimeError, match="backward failed"):
+        with gm:
+            scaler.backward(gm, loss_of(params, False))
+    assert _host(scaler) == before
+    assert (copy.scale_v, copy.tracker_v, copy.skipped_v) == before
+
+
+def test_traced_steps_after_eager_automatic_ones_train_as_eager_ones(fake):
+    """Automatic-mode steps eagerly (the copy written ahead, an overflow among them),
+    then traced steps in torch.amp's form: the same weights and scales as all eager."""
+    def steps(traced_from):
+        params, opt = model()
+        scaler = amp.GradScaler(init_scale=2.0**4, growth_interval=2)
+        gm = amp.GradManager(params)
+        history = []
+        for i, overflow in enumerate(OVERFLOWS):
+            if i < traced_from:
+                with gm:
+                    scaler.backward(gm, loss_of(params, overflow))
+                opt.step()
+                gm.zero_grad()
+            else:
+                fake.tracing = "rerun"
+                torch_form(scaler, params, opt, overflow)
+                fake.tracing = None
+            history.append(scaler.get_scale())
+        return [p.values for p in params], history, scaler.stats()["skipped_steps"]
+
+    eager = steps(traced_from=len(OVERFLOWS))
+    for start in (2, 3, 5):
+        assert steps(traced_from=start) == eager
+    assert fake.reads_in_trace == 0

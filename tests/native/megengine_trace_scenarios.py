@@ -23,6 +23,7 @@ import megengine.module as M
 import megengine.optimizer as optim
 from megengine.autodiff import GradManager
 from megengine.jit import trace as jit_trace
+from megengine.jit.tracing import is_tracing
 
 import unified_amp as amp
 
@@ -133,6 +134,15 @@ def automatic(model, gm, opt, scaler, x, y):
     return loss
 
 
+def automatic_then_traced(model, gm, opt, scaler, x, y):
+    """automatic eagerly (its backward writes the trace copy ahead of the update), and
+    backward_then_step inside the trace, which starts from that copy. The two forms
+    train alike: an overflow leaves the weights and the optimizer state as they were."""
+    if is_tracing():
+        return backward_then_step(model, gm, opt, scaler, x, y)
+    return automatic(model, gm, opt, scaler, x, y)
+
+
 def manual_unscale(model, gm, opt, scaler, x, y):
     """megengine.amp's manual mode with unscale(gm), which drops overflowed grads."""
     with gm:
@@ -193,6 +203,9 @@ SCENARIOS.update({
     # eager steps agree bit for bit, so that is where the scaler's part is compared.
     "adam": (torch_form, {"adam": True, "trace": {"opt_level": 0}}),
     "eager_between": (torch_form, {"eager_at": (0, 1, 4)}),
+    # Eager automatic steps, the last of them an overflow, then traced steps that start
+    # from the copy that overflow corrected.
+    "automatic_first": (automatic_then_traced, {"eager_at": (0, 1)}),
     # MegEngine leaves its without_host hooks installed after an error (making the next
     # model fails), so this one traces once, and MegEngine's own AssertionError on the
     # step's missing outputs follows ours: the result names the whole chain.

@@ -125,7 +125,9 @@ def test_no_scenario_killed_the_process(scenario_process):
 
 # Loops the scaler runs on the device inside a trace.
 RUNS = ["torch_form", "unscale_then_step", "clip_native", "backward_then_step", "watched",
-        "adam", "eager_between"]
+        "adam", "eager_between", "automatic_first"]
+# Scenarios with eager steps among the traced ones: those make overflow reports.
+EAGER_STEPS = {"eager_between", "automatic_first"}
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -143,7 +145,7 @@ def test_traced_whole_step_trains_as_the_eager_step(scenario_process, name):
         assert min(eager["history"]) < max(eager["history"])  # it backed off and grew
         # A step decided on the device makes no overflow report (that needs a host
         # read); the steps run eagerly in between do.
-        assert traced["report"] == (name == "eager_between")
+        assert traced["report"] == (name in EAGER_STEPS)
 
 
 # Calls that need the host: (scenario, the call named, what the message must offer).
