@@ -9,10 +9,18 @@ round by round, and the per-round ratio unified / native of the timed part is re
 - torch: ``scaler.scale(loss).backward()``, then, timed, ``scaler.step(opt);
   scaler.update()``; ``opt.zero_grad()``. Optimizers: SGD with ``foreach=True`` and
   Adam with ``fused=True``.
-- MegEngine: inside a GradManager, timed, ``scaler.backward(gm, loss)`` (megengine.amp's
-  automatic mode: scaled backward, unscale, update) and ``opt.step().clear_grad()``,
-  then a full sync. The timed part includes the framework's backward pass, the same in
-  both variants. Optimizers: SGD and Adam.
+- MegEngine: timed, a block of iterations of: inside a GradManager, the forward and
+  ``scaler.backward(gm, loss)`` (megengine.amp's automatic mode: scaled backward,
+  unscale, update), then ``opt.step().clear_grad()``; a full sync before and after the
+  block, as a training loop runs (its one sync per step is the flag read). The timed
+  part includes the framework's forward and backward, the same in both variants.
+  Optimizers: SGD and Adam.
+
+A third variant, "control", is a second native scaler with its own model, run in the
+same rounds: control / native is what the machine's noise alone makes of a ratio that
+is really 1.0, so a unified / native figure means something only beside it. The
+variants are made in a different order at each point (a model made later can run
+slower or faster for reasons of memory alone).
 
 On torch it also times a whole training step of a small MLP (6 Linear(256, 256) layers,
 bfloat16 ``torch.autocast``, SGD with momentum) with each scaler: the overhead a drop-in
@@ -54,23 +62,40 @@ def _ratios(a: list[float], b: list[float]) -> dict[str, float]:
     return spread([x / y for x, y in zip(a, b)])
 
 
-def _interleave(variants: dict[str, Callable[[], float]], rounds: int, steps: int,
+VARIANTS = ("native", "unified", "control")
+
+
+def _interleave(variants: dict[str, Callable[[int], float]], rounds: int, steps: int,
                 warmup: int) -> dict[str, list[float]]:
-    """Each variant runs ``steps`` iterations per round, in an order rotated every
-    round; a variant's iteration returns the seconds of its timed part."""
+    """Each variant runs a block of ``steps`` iterations per round, in an order rotated
+    every round; ``variants[name](k)`` runs ``k`` iterations and returns the seconds of
+    their timed parts, per iteration."""
     names = list(variants)
     for name in names:
-        for _ in range(warmup):
-            variants[name]()
+        variants[name](warmup)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            out[name].append(sum(variants[name]() for _ in range(steps)) / steps)
+            out[name].append(variants[name](steps))
     return out
 
 
+def _made_in_turn(point: int, make: Callable[[str], Callable[[int], float]]
+                  ) -> dict[str, Callable[[int], float]]:
+    """The three variants, made in an order that turns with ``point``, listed in
+    VARIANTS' order."""
+    turn = point % len(VARIANTS)
+    made = {name: make(name) for name in VARIANTS[turn:] + VARIANTS[:turn]}
+    return {name: made[name] for name in VARIANTS}
+
+
+def _each(iteration: Callable[[], float]) -> Callable[[int], float]:
+    """A block runner from an iteration that times its own part."""
+    return lambda k: sum(iteration() for _ in range(k)) / k if k else 0.0
+
+
 # -- torch --------------------------------------------------------------------------------
-def _torch_loop(n: int, optimizer: str, scaler: Any) -> Callable[[], float]:
+def _torch_loop(n: int, optimizer: str, scaler: Any) -> Callable[[int], float]:
     import torch
 
     g = torch.Generator().manual_seed(n)
@@ -89,10 +114,10 @@ def _torch_loop(n: int, optimizer: str, scaler: Any) -> Callable[[], float]:
         opt.zero_grad()
         return t1 - t0
 
-    return iteration
+    return _each(iteration)
 
 
-def _torch_mlp(scaler: Any) -> Callable[[], float]:
+def _torch_mlp(scaler: Any) -> Callable[[int], float]:
     import torch
 
     torch.manual_seed(0)
@@ -114,7 +139,7 @@ def _torch_mlp(scaler: Any) -> Callable[[], float]:
         loss.item()
         return _clock() - t0
 
-    return iteration
+    return _each(iteration)
 
 
 def _torch_scalers() -> tuple[Callable[[], Any], Callable[[], Any]]:
@@ -124,7 +149,7 @@ def _torch_scalers() -> tuple[Callable[[], Any], Callable[[], Any]]:
 
 
 # -- MegEngine ----------------------------------------------------------------------------
-def _megengine_loop(n: int, optimizer: str, scaler: Any) -> Callable[[], float]:
+def _megengine_loop(n: int, optimizer: str, scaler: Any) -> Callable[[int], float]:
     import megengine as mge
     import megengine.functional as F
     import megengine.optimizer as O
@@ -137,17 +162,18 @@ def _megengine_loop(n: int, optimizer: str, scaler: Any) -> Callable[[], float]:
     opt = O.SGD(params, lr=1e-3, momentum=0.9) if optimizer == "sgd" else \
         O.Adam(params, lr=1e-3)
 
-    def iteration() -> float:
+    def block(k: int) -> float:
         mge._full_sync()
         t0 = _clock()
-        with gm:
-            loss = (F.concat([p.flatten() for p in params]) * weights).sum()
-            scaler.backward(gm, loss)
-        opt.step().clear_grad()
+        for _ in range(k):
+            with gm:
+                loss = (F.concat([p.flatten() for p in params]) * weights).sum()
+                scaler.backward(gm, loss)
+            opt.step().clear_grad()
         mge._full_sync()
-        return _clock() - t0
+        return (_clock() - t0) / k if k else 0.0
 
-    return iteration
+    return block
 
 
 def _megengine_scalers() -> tuple[Callable[[], Any], Callable[[], Any]]:
@@ -169,7 +195,9 @@ def run(backend: str, tensors: tuple[int, ...], rounds: int, steps: int, warmup:
         mlp_rounds: int) -> dict[str, Any]:
     cfg = CONFIG[backend]
     make_native, make_unified = cfg["scalers"]()
+    makers = {"native": make_native, "unified": make_unified, "control": make_native}
     out: dict[str, Any] = {}
+    point = 0
     for optimizer in cfg["optimizers"]:
         out[optimizer] = {}
         for n in tensors:
@@ -178,31 +206,35 @@ def run(backend: str, tensors: tuple[int, ...], rounds: int, steps: int, warmup:
             # More iterations per round where one is short, so that each round's block
             # lasts long enough to average over the machine's noise.
             k = max(steps, min(100, (1000 * steps) // (4 * n)))
-            times = _interleave({"native": cfg["loop"](n, optimizer, make_native()),
-                                 "unified": cfg["loop"](n, optimizer, make_unified())},
-                                r, k, warmup)
-            out[optimizer][str(n)] = {
-                "rounds": r, "iterations_per_round": k,
-                "native_s": spread(times["native"]), "unified_s": spread(times["unified"]),
-                "ratio": _ratios(times["unified"], times["native"]),
-                "per_round": times,
-            }
-            ratio = out[optimizer][str(n)]["ratio"]
+            variants = _made_in_turn(point, lambda name: cfg["loop"](
+                n, optimizer, makers[name]()))
+            point += 1
+            times = _interleave(variants, r, k, warmup)
+            v = out[optimizer][str(n)] = _summary(times, r, k)
             print(f"  {optimizer:12} {n:5d} tensors: native"
-                  f" {out[optimizer][str(n)]['native_s']['median'] * 1e6:9.1f} us, unified"
-                  f" {out[optimizer][str(n)]['unified_s']['median'] * 1e6:9.1f} us, ratio"
-                  f" {ratio['median']:.4f} [{ratio['q1']:.4f}-{ratio['q3']:.4f}]", flush=True)
+                  f" {v['native_s']['median'] * 1e6:9.1f} us, unified"
+                  f" {v['unified_s']['median'] * 1e6:9.1f} us, {_ratio_text(v)}", flush=True)
     result: dict[str, Any] = {"loops": out}
     if backend == "torch" and mlp_rounds:
-        times = _interleave({"native": _torch_mlp(make_native()),
-                             "unified": _torch_mlp(make_unified())},
-                            mlp_rounds, 25, warmup)
-        result["mlp_6x256"] = {"rounds": mlp_rounds, "iterations_per_round": 25,
-                               "native_s": spread(times["native"]),
-                               "unified_s": spread(times["unified"]),
-                               "ratio": _ratios(times["unified"], times["native"]),
-                               "per_round": times}
+        variants = _made_in_turn(point, lambda name: _torch_mlp(makers[name]()))
+        times = _interleave(variants, mlp_rounds, 25, warmup)
+        result["mlp_6x256"] = _summary(times, mlp_rounds, 25)
     return result
+
+
+def _summary(times: dict[str, list[float]], rounds: int, k: int) -> dict[str, Any]:
+    return {"rounds": rounds, "iterations_per_round": k,
+            "native_s": spread(times["native"]), "unified_s": spread(times["unified"]),
+            "control_s": spread(times["control"]),
+            "ratio": _ratios(times["unified"], times["native"]),
+            "control_ratio": _ratios(times["control"], times["native"]),
+            "per_round": times}
+
+
+def _ratio_text(v: dict[str, Any]) -> str:
+    r, c = v["ratio"], v["control_ratio"]
+    return (f"ratio {r['median']:.4f} [{r['q1']:.4f}-{r['q3']:.4f}]  (control"
+            f" {c['median']:.4f} [{c['q1']:.4f}-{c['q3']:.4f}])")
 
 
 def table(result: dict[str, Any]) -> str:
@@ -211,18 +243,14 @@ def table(result: dict[str, Any]) -> str:
              f" median [IQR] over rounds; target <= {TARGET}"]
     for optimizer, by_n in result["loops"].items():
         for n, v in by_n.items():
-            r = v["ratio"]
             lines.append(f"  {optimizer:12} {int(n):5d} tensors  native"
                          f" {v['native_s']['median'] * 1e6:9.1f} us  unified"
-                         f" {v['unified_s']['median'] * 1e6:9.1f} us  ratio"
-                         f" {r['median']:.4f} [{r['q1']:.4f}-{r['q3']:.4f}]")
+                         f" {v['unified_s']['median'] * 1e6:9.1f} us  {_ratio_text(v)}")
     mlp = result.get("mlp_6x256")
     if mlp:
-        r = mlp["ratio"]
         lines.append(f"  MLP 6x256 whole step: native {mlp['native_s']['median'] * 1e3:.3f}"
-                     f" ms  unified {mlp['unified_s']['median'] * 1e3:.3f} ms  ratio"
-                     f" {r['median']:.4f} [{r['q1']:.4f}-{r['q3']:.4f}]; target <="
-                     f" {MLP_TARGET}")
+                     f" ms  unified {mlp['unified_s']['median'] * 1e3:.3f} ms"
+                     f"  {_ratio_text(mlp)}; target <= {MLP_TARGET}")
     return "\n".join(lines)
 
 
@@ -239,6 +267,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         lo = med - np.array([v["ratio"]["q1"] for v in by_n.values()])
         hi = np.array([v["ratio"]["q3"] for v in by_n.values()]) - med
         ax_r.errorbar(ns, med, yerr=[lo, hi], marker="o", capsize=3, label=optimizer)
+        ctl = [v["control_ratio"]["median"] for v in by_n.values()]
+        ax_r.plot(ns, ctl, ":", marker="x", color=ax_r.lines[-1].get_color(),
+                  label=f"{optimizer}, control (native / native)")
         for variant, style in (("native", "--"), ("unified", "-")):
             ax_t.plot(ns, [v[f"{variant}_s"]["median"] * 1e3 for v in by_n.values()],
                       style, marker="o", label=f"{optimizer}, {variant}")

@@ -87,3 +87,23 @@ def test_mode_cost_benchmark_times_each_variant(tmp_path):
     assert set(result["us_per_call"]) == {"torch.autocast", "+ empty mode", "amp.autocast",
                                           "amp.autocast(contract=False)"}
     assert all(v["median"] > 0 and v["n"] == 3 for v in result["us_per_call"].values())
+
+
+def test_host_cost_benchmark_times_each_variant_beside_a_control(tmp_path):
+    """benchmarks/host_cost.py on this backend: for every point, the native scaler, the
+    unified one and a second native one (the control) timed in the same rounds, and
+    both ratios saved with the plot."""
+    backend = amp.get_backend().name
+    run_benchmark("host_cost", "--out", tmp_path)
+    stem = tmp_path / f"host-cost-{backend}-quick"
+    result = json.loads(stem.with_suffix(".json").read_text())
+    assert stem.with_suffix(".png").stat().st_size > 10_000
+    points = [v for by_n in result["loops"].values() for v in by_n.values()]
+    points += [result["mlp_6x256"]] if backend == "torch" else []
+    assert len(points) == 4 + (backend == "torch")
+    for v in points:
+        assert set(v["per_round"]) == {"native", "unified", "control"}
+        for name, times in v["per_round"].items():
+            assert len(times) == v["rounds"] and all(t > 0 for t in times), name
+        for ratio in (v["ratio"], v["control_ratio"]):
+            assert 0.2 < ratio["median"] < 5.0
