@@ -107,3 +107,20 @@ def test_host_cost_benchmark_times_each_variant_beside_a_control(tmp_path):
             assert len(times) == v["rounds"] and all(t > 0 for t in times), name
         for ratio in (v["ratio"], v["control_ratio"]):
             assert 0.2 < ratio["median"] < 5.0
+
+
+def test_host_cost_parts_benchmark_takes_each_part_out(tmp_path):
+    """benchmarks/host_cost_parts.py (MegEngine only): unified_amp's automatic step with
+    each part taken out, beside the whole step and the control, and each part's share."""
+    if amp.get_backend().name != "megengine":
+        pytest.skip("the parts measured are MegEngine's automatic step")
+    run_benchmark("host_cost_parts", "--out", tmp_path, backend="megengine")
+    result = json.loads((tmp_path / "host-cost-parts-megengine-quick.json").read_text())
+    point = result["points"]["10"]
+    parts = ["trace copy", "float32/device guard", "ledger", "forensics"]
+    assert set(point["ratio"]) == {"unified", "control", "without all four",
+                                   *(f"without {p}" for p in parts)}
+    assert set(point["share"]) == {*parts, "all four"}
+    for name, times in point["per_round"].items():
+        assert len(times) == 3 and all(t > 0 for t in times), name
+    assert result["python_call"]["idle_us"]["median"] > 0
