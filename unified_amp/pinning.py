@@ -28,6 +28,9 @@ from .autocast import autocast
 __all__ = ["keep_float32", "is_kept_float32", "pin_expression"]
 
 _ATTR = "_unified_amp_keep_float32"  # the module's _Float32Forward, pinned or not
+# The keyword through which the pin's forward pre-hook hands the pin the module object
+# being called (a DataParallel replica shares the original's pin; see _Float32Forward).
+_CALLER = "_unified_amp_caller"
 
 
 def _first_low_dtype(tree: Any, backend: Any) -> str | None:
@@ -53,10 +56,18 @@ class _Float32Forward:
     low precision -- a model whose weights were cast, as at O3 -- they are cast back to
     that dtype, since the next layer's low-precision weights would refuse float32.
 
+    The pin is the module's ``forward`` attribute, and attributes are not bound to the
+    object they are read from: torch's DataParallel copies a module's attributes into
+    each replica, pin included. So where the framework's forward pre-hooks can pass
+    keyword arguments (torch), a pre-hook hands the pin the module actually called,
+    and the pin runs that module's forward (a replica's weights on the replica's
+    device) instead of the one it was made for.
+
     Attributes:
-        module: the module it runs.
+        module: the module it runs when no pre-hook says otherwise.
         inner: the instance-level forward it replaced (``amp.initialize``'s, a user's),
             or None for the class's own ``forward``.
+        hook: the pre-hook's handle, or None where the framework has no such hooks.
         active: False after ``keep_float32(module, enabled=False)`` where the wrapper
             could not be taken off (something wrapped it since); then a pass-through.
         recast: the low dtype ``keep_float32`` cast this module's weights up from
@@ -68,15 +79,24 @@ class _Float32Forward:
         self.inner = inner
         self.active = True
         self.recast: str | None = None
+        self.hook: Any = None
 
-    def _call_inner(self, args: tuple, kwargs: dict) -> Any:
+    def pass_caller(self, module: Any, args: tuple, kwargs: dict) -> Any:
+        """The forward pre-hook: the called module, while this pin is its forward
+        (nothing wrapped it since, which might not take an extra keyword)."""
+        if vars(module).get("forward") is not self:
+            return None
+        return args, {**kwargs, _CALLER: module}
+
+    def _call_inner(self, module: Any, args: tuple, kwargs: dict) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = kwargs.pop(_CALLER, self.module)
         if not self.active:
-            return self._call_inner(args, kwargs)
+            return self._call_inner(module, args, kwargs)
         backend = get_backend()
         back_to = None
         if not backend.is_autocast_enabled():
@@ -86,7 +106,7 @@ class _Float32Forward:
         # A fresh block per call: an autocast instance keeps a stack of tokens, which
         # two threads running this module at once (DataParallel's replicas) would mix.
         with autocast(enabled=False):
-            out = self._call_inner(args, kwargs)
+            out = self._call_inner(module, args, kwargs)
         if back_to is not None:
             out = _cast_tree(out, back_to, backend, only_low=False)
         return out
@@ -144,6 +164,14 @@ def _pin(module: Any, backend: Any) -> None:
         pin = _Float32Forward(module, vars(module).get("forward"))
         setattr(module, _ATTR, pin)
         module.forward = pin
+        # torch's modules; MegEngine's pre-hooks take no keyword arguments (and it has
+        # no replicas), other modules may have no pre-hooks at all.
+        register = getattr(module, "register_forward_pre_hook", None)
+        try:
+            pin.hook = None if register is None else register(pin.pass_caller,
+                                                              with_kwargs=True)
+        except TypeError:
+            pin.hook = None
     low = _low_params(module, backend)
     if low:
         # Pinned after amp.initialize cast the weights (O2, O3): float32 again, the same
@@ -176,6 +204,8 @@ def _unpin(module: Any, backend: Any) -> None:
         else:
             module.forward = pin.inner
         delattr(module, _ATTR)
+        if pin.hook is not None:
+            pin.hook.remove()
     else:
         pin.active = False  # wrapped since (e.g. by amp.initialize): a pass-through
         pin.recast = None
