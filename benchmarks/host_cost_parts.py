@@ -1,27 +1,31 @@
-"""Where unified_amp's host time goes in MegEngine's automatic step:
-``python -m benchmarks.host_cost_parts`` (MegEngine only).
+"""Where unified_amp's host time goes, part by part:
+``python -m benchmarks.host_cost_parts`` (backend from UNIFIED_AMP_BACKEND).
 
-The loop of ``benchmarks.host_cost`` (``scaler.backward(gm, loss)``,
-``opt.step().clear_grad()``, SGD, timed in blocks between syncs, thread CPU time) runs
-with megengine.amp's scaler ("native"), unified_amp's, a second native one (the
-control), and unified_amp's with one part of its work taken out at a time:
+A loop of ``benchmarks.host_cost`` runs with the framework's own scaler ("native"),
+unified_amp's, a second native one (the control), and unified_amp's with one part of
+its work taken out at a time, then with all of them out:
 
-- ``trace copy``: the device copy of the scale that a later ``megengine.jit.trace``
-  step starts from, written on every eager step;
-- ``float32/device guard``: reading each gradient's dtype and device before MegEngine's
+- MegEngine: the automatic step (``scaler.backward(gm, loss)``,
+  ``opt.step().clear_grad()``, SGD on 10 and 100 parameter tensors, timed in blocks
+  between syncs). Parts: ``trace copy`` (the device copy of the scale that a later
+  ``megengine.jit.trace`` step starts from, written on every eager step),
+  ``float32/device guard`` (reading each gradient's dtype and device before MegEngine's
   fused check, which would abort the process on a non-float32 gradient or a mix of
-  devices (the check itself stays);
-- ``ledger``: the record of which gradients a check unscaled (the double-unscale and
-  accumulation errors, and rescaling held gradients before an accumulating backward);
-- ``forensics``: the overflow report's loss, hook and skipped-run counter;
-- ``all four``.
+  devices; the check itself stays), ``ledger`` (the record of which gradients a check
+  unscaled: the double-unscale and accumulation errors, and rescaling held gradients
+  before an accumulating backward), ``forensics`` (the overflow report's loss, hook and
+  skipped-run counter).
+- torch: the whole training step of the 6 x Linear(256, 256) MLP. Parts: ``backward
+  watch`` (the pre-hook on the scaled loss's ``grad_fn`` behind the "backward on the
+  unscaled loss" error), ``ledger``, ``forensics``, ``float16 scan`` (the dtype check
+  before the fused unscale), ``trace checks`` (asking whether a trace is running).
 
-The parts are taken out of one scaler object each (its own adapter copy for the
-guard), so the variants share a process and interleave round by round. A scaler
-without these parts is not a correct scaler: this is a measurement only. Each part's
-share is the unified ratio minus the ratio without it.
+The parts are taken out of one scaler object each (its own adapter copy where the part
+is the adapter's), so the variants share a process and interleave round by round, in
+thread CPU time. A scaler without these parts is not a correct scaler: this is a
+measurement only. Each part's share is the unified ratio minus the ratio without it.
 
-Writes ``<out>/host-cost-parts-megengine.json``.
+Writes ``<out>/host-cost-parts-<backend>.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any, Callable
 
 import unified_amp as amp
 
-from .host_cost import _interleave, _megengine_loop, _ratios
+from .host_cost import _interleave, _megengine_loop, _ratios, _torch_mlp
 from .report import loadavg, write_json
 from .timing import spread
 
@@ -69,30 +73,72 @@ def _without_forensics(scaler: Any) -> None:
     forensics.end_iteration = lambda: None
 
 
-PARTS: dict[str, Callable[[Any], None]] = {
-    "trace copy": _without_trace_copy,
-    "float32/device guard": _without_guard,
-    "ledger": _without_ledger,
-    "forensics": _without_forensics,
+def _without_watch(scaler: Any) -> None:
+    scaler._backend = copy.copy(scaler._be())
+    scaler._caps().hooks = None  # scale() then hands the scale out unwatched
+
+
+def _without_fp16_scan(scaler: Any) -> None:
+    scaler._refuse_fp16 = lambda grads: None
+
+
+def _without_trace_checks(scaler: Any) -> None:
+    scaler._traced = lambda what: False
+
+
+PARTS: dict[str, dict[str, Callable[[Any], None]]] = {
+    "megengine": {
+        "trace copy": _without_trace_copy,
+        "float32/device guard": _without_guard,
+        "ledger": _without_ledger,
+        "forensics": _without_forensics,
+    },
+    "torch": {
+        "backward watch": _without_watch,
+        "ledger": _without_ledger,
+        "forensics": _without_forensics,
+        "float16 scan": _without_fp16_scan,
+        "trace checks": _without_trace_checks,
+    },
 }
 
 
-def variants(n: int) -> dict[str, Callable[[int], float]]:
-    import megengine.amp
+def variants(backend: str, n: int) -> dict[str, Callable[[int], float]]:
+    """The loops, by variant name; ``n``: MegEngine's parameter tensors."""
+    parts = PARTS[backend]
+    if backend == "torch":
+        import torch
 
-    def native() -> Any:
-        return megengine.amp.GradScaler(init_scale=2.0**4)
+        def native() -> Any:
+            return torch.amp.GradScaler("cpu")
 
-    def unified(*parts: str) -> Any:
-        scaler = amp.GradScaler(init_scale=2.0**4)
-        for part in parts:
-            PARTS[part](scaler)
-        return scaler
+        def unified(*names: str) -> Any:
+            scaler = amp.GradScaler("cpu")
+            for name in names:
+                parts[name](scaler)
+            return scaler
+
+        def loop(scaler: Any) -> Callable[[int], float]:
+            return _torch_mlp(scaler)
+    else:
+        import megengine.amp
+
+        def native() -> Any:
+            return megengine.amp.GradScaler(init_scale=2.0**4)
+
+        def unified(*names: str) -> Any:
+            scaler = amp.GradScaler(init_scale=2.0**4)
+            for name in names:
+                parts[name](scaler)
+            return scaler
+
+        def loop(scaler: Any) -> Callable[[int], float]:
+            return _megengine_loop(n, "sgd", scaler)
 
     made = {"native": native(), "unified": unified(), "control": native()}
-    made.update({f"without {p}": unified(p) for p in PARTS})
-    made["without all four"] = unified(*PARTS)
-    return {name: _megengine_loop(n, "sgd", scaler) for name, scaler in made.items()}
+    made.update({f"without {p}": unified(p) for p in parts})
+    made["without all"] = unified(*parts)
+    return {name: loop(scaler) for name, scaler in made.items()}
 
 
 def python_call_cost(n: int, calls: int = 200, reps: int = 30) -> dict[str, Any]:
@@ -135,53 +181,61 @@ def python_call_cost(n: int, calls: int = 200, reps: int = 30) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_cost_parts",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--tensors", default="10,100")
-    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--tensors", default="10,100", help="MegEngine's parameter tensors")
+    p.add_argument("--rounds", type=int, default=None, help="MegEngine 40, torch 81")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="smoke run: 10 tensors, 3 rounds")
+    p.add_argument("--quick", action="store_true", help="smoke run: one point, 3 rounds")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if amp.get_backend().name != "megengine":
-        p.error("the parts measured are MegEngine's automatic step: run with"
-                " UNIFIED_AMP_BACKEND=megengine")
-    import megengine
+    backend = amp.get_backend().name
+    if backend == "torch":
+        import torch
 
-    tensors = (10,) if args.quick else tuple(int(t) for t in args.tensors.split(","))
-    rounds = 3 if args.quick else args.rounds
+        torch.set_num_threads(1)  # as benchmarks.host_cost
+        version = torch.__version__
+        points = {"mlp_6x256": 0}
+    else:
+        import megengine
+
+        version = megengine.__version__
+        tensors = (10,) if args.quick else tuple(int(t) for t in args.tensors.split(","))
+        points = {str(n): n for n in tensors}
+    rounds = 3 if args.quick else args.rounds or (81 if backend == "torch" else 40)
     start, load_before = time.time(), loadavg()
     result: dict[str, Any] = {
-        "backend": "megengine", "framework_version": megengine.__version__,
-        "command": "UNIFIED_AMP_BACKEND=megengine python -m benchmarks.host_cost_parts"
+        "backend": backend, "framework_version": version,
+        "command": f"UNIFIED_AMP_BACKEND={backend} python -m benchmarks.host_cost_parts"
                    f" {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
-        "config": {"tensors": tensors, "rounds": rounds, "optimizer": "sgd"},
+        "config": {"points": list(points), "rounds": rounds},
         "points": {}}
-    for n in tensors:
-        k = max(2, min(100, 500 // n))
-        times = _interleave(variants(n), rounds, k, args.warmup)
+    for point, n in points.items():
+        k = 25 if backend == "torch" else max(2, min(100, 500 // n))
+        times = _interleave(variants(backend, n), rounds, k, args.warmup)
         ratios = {name: _ratios(t, times["native"]) for name, t in times.items()
                   if name != "native"}
         whole = ratios["unified"]["median"]
-        result["points"][str(n)] = {
+        result["points"][point] = {
             "iterations_per_round": k,
             "seconds": {name: spread(t) for name, t in times.items()},
             "ratio": ratios,
             "share": {name[len("without "):]: whole - r["median"]
                       for name, r in ratios.items() if name.startswith("without ")},
             "per_round": times}
-        print(f"{n} tensors ({rounds} rounds x {k} iterations): native"
+        print(f"{point} ({rounds} rounds x {k} iterations): native"
               f" {spread(times['native'])['median'] * 1e6:.1f} us per step")
         for name, r in ratios.items():
             print(f"  {name:30} {r['median']:.4f} [{r['q1']:.4f}-{r['q3']:.4f}]")
-    calls = result["python_call"] = python_call_cost(tensors[-1])
-    print(f"a no-op Python call: {calls['idle_us']['median']:.3f} us with MegEngine's"
-          f" worker idle, {calls['during_backward_us']['median']:.3f} us while it runs a"
-          f" backward")
+    if backend == "megengine":
+        calls = result["python_call"] = python_call_cost(max(points.values()))
+        print(f"a no-op Python call: {calls['idle_us']['median']:.3f} us with MegEngine's"
+              f" worker idle, {calls['during_backward_us']['median']:.3f} us while it runs"
+              f" a backward")
     result.update(runtime_s=time.time() - start, loadavg_before=load_before,
                   loadavg_after=loadavg(),
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    out = out / ("host-cost-parts-megengine" + ("-quick" if args.quick else "") + ".json")
+    out = out / (f"host-cost-parts-{backend}" + ("-quick" if args.quick else "") + ".json")
     write_json(result, out)
     print(f"wrote {out}")
     return 0
