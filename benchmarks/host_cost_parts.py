@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import unified_amp as amp
 
-from .host_cost import _interleave, _megengine_loop, _ratios, _torch_mlp
+from .host_cost import CONFIG, _interleave, _megengine_loop, _ratios, _torch_mlp
 from .report import loadavg, write_json
 from .timing import spread
 
@@ -104,36 +104,20 @@ PARTS: dict[str, dict[str, Callable[[Any], None]]] = {
 
 
 def variants(backend: str, n: int) -> dict[str, Callable[[int], float]]:
-    """The loops, by variant name; ``n``: MegEngine's parameter tensors."""
+    """The loops, by variant name; ``n``: MegEngine's parameter tensors. The scalers
+    are benchmarks.host_cost's, made the same way."""
     parts = PARTS[backend]
-    if backend == "torch":
-        import torch
+    native, make_unified = CONFIG[backend]["scalers"]()
 
-        def native() -> Any:
-            return torch.amp.GradScaler("cpu")
+    def unified(*names: str) -> Any:
+        scaler = make_unified()
+        for name in names:
+            parts[name](scaler)
+        return scaler
 
-        def unified(*names: str) -> Any:
-            scaler = amp.GradScaler("cpu")
-            for name in names:
-                parts[name](scaler)
-            return scaler
-
-        def loop(scaler: Any) -> Callable[[int], float]:
-            return _torch_mlp(scaler)
-    else:
-        import megengine.amp
-
-        def native() -> Any:
-            return megengine.amp.GradScaler(init_scale=2.0**4)
-
-        def unified(*names: str) -> Any:
-            scaler = amp.GradScaler(init_scale=2.0**4)
-            for name in names:
-                parts[name](scaler)
-            return scaler
-
-        def loop(scaler: Any) -> Callable[[int], float]:
-            return _megengine_loop(n, "sgd", scaler)
+    def loop(scaler: Any) -> Callable[[int], float]:
+        return _torch_mlp(scaler) if backend == "torch" else _megengine_loop(n, "sgd",
+                                                                            scaler)
 
     made = {"native": native(), "unified": unified(), "control": native()}
     made.update({f"without {p}": unified(p) for p in parts})
