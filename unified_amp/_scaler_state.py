@@ -229,7 +229,7 @@ class ScalerState:
         """``params`` with a gradient that still needs unscaling and those gradients,
         the checks that already covered others (from the ledger), and the params with
         neither."""
-        return self._ledger.split(params, self._caps().version)
+        return self._ledger.split(params, self._version)
 
     def _rescale_held(self, params: list[Any]) -> None:
         """Brings gradients this scaler unscaled, and that still hold those values,
@@ -360,8 +360,7 @@ class ScalerState:
                 )
         if params is None:
             params = params_of(target, self._be(), f"GradScaler.{what}")
-            distributed.note_module(self._be(), target)
-        # (else backward() passed its GradManager's parameters: no module to note)
+        distributed.note_module(self._be(), target)
         pending, grads, done, idle = self._split(params)
         if done:
             raise RuntimeError(
@@ -397,7 +396,7 @@ class ScalerState:
         # Called by the adapter when a backward pass runs through a scale() output
         # (with its framework's hook arguments, or none).
         self._saw_backward = True
-        self._ledger.new_backward(self._caps().version)
+        self._ledger.new_backward(self._version)
 
     def _step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
                            fused_unscale: bool, args: tuple, kwargs: dict) -> Any:

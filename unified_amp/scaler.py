@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
-from . import _tracing, distributed
+from . import distributed
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from ._ledger import Check, GradLedger
 from ._registry import get_backend
@@ -235,14 +235,9 @@ class GradScaler(ScalerSurface):
         if not self._enabled:
             gm.backward(y, dy)
             return
-        if not self._can_trace():
-            pass
-        elif _tracing.mode(self._be()) is not None:
-            if unscale_grad:
-                self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
-            self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
-        elif self._dev is None and self._trace_copy is None:
-            self._mirror()  # after unpickling, as _traced() does outside a trace
+        if unscale_grad:
+            self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
+        self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
         ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
         if dy is None:
             dys = None
