@@ -20,6 +20,14 @@ its work taken out at a time, then with all of them out:
   unscaled loss" error), ``ledger``, ``forensics``, ``float16 scan`` (the dtype check
   before the fused unscale), ``trace checks`` (asking whether a trace is running).
 
+On MegEngine two more variants bound what any design of these parts could reach:
+``straight line`` replaces ``scaler.backward`` with megengine.amp's own steps written
+out on the scaler's state (cotangents, backward, the fused check, the read, the drop,
+the scale rule) and nothing else; ``straight line + <part>`` adds one part to it, and
+``straight line + all`` the four, each written inline (the adapter's guarded check,
+the trace-copy write, the ledger's held/forget/record, the forensics hook). Neither is a scaler: no stages, no
+trace-mode, distributed or error checks.
+
 The parts are taken out of one scaler object each (its own adapter copy where the part
 is the adapter's), so the variants share a process and interleave round by round, in
 thread CPU time. A scaler without these parts is not a correct scaler: this is a
@@ -86,6 +94,51 @@ def _without_trace_checks(scaler: Any) -> None:
     scaler._traced = lambda what: False
 
 
+def _straight_line(scaler: Any, parts: tuple[str, ...]) -> None:
+    """Replaces ``scaler.backward`` with megengine.amp's steps on the scaler's state,
+    with ``parts`` (PARTS' MegEngine names) inline (see the module docstring)."""
+    import megengine.functional as F
+    from megengine.functional.math import _check_non_finite
+
+    from unified_amp._ledger import Check
+    from unified_amp._scale_rule import next_scale
+
+    backend = scaler._be()
+    copy, guard, ledger, forensics = (name in parts for name in PARTS["megengine"])
+
+    def backward(gm: Any, y: Any) -> None:
+        s = scaler
+        params = gm.attached_tensors()
+        if ledger:
+            s._ledger.held(params, s._version)
+            s._ledger.forget(params)
+            s._ledger.new_backward(s._version)
+        if copy:
+            ahead = next_scale(s._scale_value, s._tracker, False, s._growth_factor,
+                               s._backoff_factor, s._growth_interval)
+            s._trace_copy.write(*ahead, s._skipped_steps)
+        gm.backward([y], [F.full_like(y, s._scale_value)])
+        grads = [p.grad for p in params]
+        if guard:
+            check = Check(backend.unscale_and_check(grads, s._inv_scale()), None)
+        else:
+            check = Check([_check_non_finite(grads, s._inv_scale())], None)
+        if forensics:
+            check.on_overflow = s._forensics.hook(params, backend, s._steps + 1)
+        found = check.verdict(backend.flag_is_set)
+        if found:
+            backend.drop_grads(params)
+        if ledger:
+            s._ledger.record(params, [None] * len(params) if found else grads, check)
+        s._scale_value, s._tracker = next_scale(s._scale_value, s._tracker, found,
+                                                s._growth_factor, s._backoff_factor,
+                                                s._growth_interval)
+        s._steps += 1
+        s._skipped_steps += found
+
+    scaler.backward = backward
+
+
 PARTS: dict[str, dict[str, Callable[[Any], None]]] = {
     "megengine": {
         "trace copy": _without_trace_copy,
@@ -122,6 +175,12 @@ def variants(backend: str, n: int) -> dict[str, Callable[[int], float]]:
     made = {"native": native(), "unified": unified(), "control": native()}
     made.update({f"without {p}": unified(p) for p in parts})
     made["without all"] = unified(*parts)
+    if backend == "megengine":
+        lines = {"straight line": (), **{f"straight line + {p}": (p,) for p in parts},
+                 "straight line + all": tuple(parts)}
+        for name, inline in lines.items():
+            made[name] = make_unified()
+            _straight_line(made[name], inline)
     return {name: loop(scaler) for name, scaler in made.items()}
 
 
@@ -208,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{point} ({rounds} rounds x {k} iterations): native"
               f" {spread(times['native'])['median'] * 1e6:.1f} us per step")
         for name, r in ratios.items():
-            print(f"  {name:30} {r['median']:.4f} [{r['q1']:.4f}-{r['q3']:.4f}]")
+            print(f"  {name:38} {r['median']:.4f} [{r['q1']:.4f}-{r['q3']:.4f}]")
     if backend == "megengine":
         calls = result["python_call"] = python_call_cost(max(points.values()))
         print(f"a no-op Python call: {calls['idle_us']['median']:.3f} us with MegEngine's"
