@@ -25,8 +25,8 @@ On MegEngine two more variants bound what any design of these parts could reach:
 out on the scaler's state (cotangents, backward, the fused check, the read, the drop,
 the scale rule) and nothing else; ``straight line + <part>`` adds one part to it, and
 ``straight line + all`` the four, each written inline (the adapter's guarded check,
-the trace-copy write, the ledger's held/forget/record, the forensics hook). Neither is a scaler: no stages, no
-trace-mode, distributed or error checks.
+the trace-copy write, the ledger's held/forget/record, the forensics hook). Neither is
+a scaler: no stages, no trace-mode, distributed or error checks.
 
 The parts are taken out of one scaler object each (its own adapter copy where the part
 is the adapter's), so the variants share a process and interleave round by round, in
@@ -57,12 +57,17 @@ def _without_trace_copy(scaler: Any) -> None:
     scaler._mirror = lambda: None
 
 
-def _without_guard(scaler: Any) -> None:
+def _unguarded_check(grads: Any, inv_scale: float) -> list[Any]:
+    """MegEngine's fused check and unscale as the adapter calls it, without reading
+    the gradients' dtypes and devices first."""
     from megengine.functional.math import _check_non_finite
 
+    return [_check_non_finite(list(grads), inv_scale)]
+
+
+def _without_guard(scaler: Any) -> None:
     backend = copy.copy(scaler._be())
-    backend.unscale_and_check = lambda grads, inv_scale: [
-        _check_non_finite(list(grads), inv_scale)]
+    backend.unscale_and_check = _unguarded_check
     scaler._backend = backend
 
 
@@ -98,13 +103,12 @@ def _straight_line(scaler: Any, parts: tuple[str, ...]) -> None:
     """Replaces ``scaler.backward`` with megengine.amp's steps on the scaler's state,
     with ``parts`` (PARTS' MegEngine names) inline (see the module docstring)."""
     import megengine.functional as F
-    from megengine.functional.math import _check_non_finite
 
     from unified_amp._ledger import Check
     from unified_amp._scale_rule import next_scale
 
     backend = scaler._be()
-    copy, guard, ledger, forensics = (name in parts for name in PARTS["megengine"])
+    trace_copy, guard, ledger, forensics = (name in parts for name in PARTS["megengine"])
 
     def backward(gm: Any, y: Any) -> None:
         s = scaler
@@ -113,16 +117,14 @@ def _straight_line(scaler: Any, parts: tuple[str, ...]) -> None:
             s._ledger.held(params, s._version)
             s._ledger.forget(params)
             s._ledger.new_backward(s._version)
-        if copy:
+        if trace_copy:
             ahead = next_scale(s._scale_value, s._tracker, False, s._growth_factor,
                                s._backoff_factor, s._growth_interval)
             s._trace_copy.write(*ahead, s._skipped_steps)
         gm.backward([y], [F.full_like(y, s._scale_value)])
         grads = [p.grad for p in params]
-        if guard:
-            check = Check(backend.unscale_and_check(grads, s._inv_scale()), None)
-        else:
-            check = Check([_check_non_finite(grads, s._inv_scale())], None)
+        unscale = backend.unscale_and_check if guard else _unguarded_check
+        check = Check(unscale(grads, s._inv_scale()), None)
         if forensics:
             check.on_overflow = s._forensics.hook(params, backend, s._steps + 1)
         found = check.verdict(backend.flag_is_set)
