@@ -37,7 +37,6 @@ from typing import Any, Callable
 import torch
 
 import unified_amp as amp
-from unified_amp.backends.torch_backend.autocast import TRACEABLE
 
 from .common import SIZES, TARGET, WORKLOADS, lookup
 from .timing import interleaved, round_ratios, spread
@@ -70,7 +69,7 @@ def make_step(kit: Kit, name: str, size: dict[str, int], seed: int, side: str,
             return w.loss(fp32_sensitive)
 
     if compiled:
-        forward = torch.compile(forward, fullgraph=TRACEABLE)
+        forward = torch.compile(forward, fullgraph=True)
 
     def step() -> torch.Tensor:
         loss = forward()
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                else argv),
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": kit.device, "threads_note": note,
-        "dtype": DTYPE, "target_unified_over_native": TARGET, "fullgraph": TRACEABLE,
+        "dtype": DTYPE, "target_unified_over_native": TARGET, "fullgraph": True,
         "schedule": {"warmup": args.warmup, "rounds": args.rounds, "steps": args.steps},
         "workloads": {}}
     cost = out["contract_mode_cost"] = mode_cost(kit, args)

@@ -66,9 +66,7 @@ def test_quick_compile_benchmark_runs_every_variant(tmp_path):
         pytest.skip("torch.compile is torch's; MegEngine's trace has benchmarks/trace_megengine.py")
     run_benchmark("compile", "--workloads", "transformer", "--out", tmp_path, backend="torch")
     result = json.loads((tmp_path / "torch-cpu-compile-quick.json").read_text())
-    from unified_amp.backends.torch_backend.autocast import TRACEABLE
-
-    assert result["fullgraph"] is TRACEABLE
+    assert result["fullgraph"] is True
     workload = result["workloads"]["transformer"]
     steps = workload["step_ms_median"]
     assert len(steps) == 8 and all(math.isfinite(v) and v > 0 for v in steps.values()), steps

@@ -13,6 +13,7 @@ __all__ = [
     "BackendUnavailableError",
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
+    "CompileWarning",
 ]
 
 
@@ -55,3 +56,10 @@ class UnsupportedTraceError(UnifiedAmpError, RuntimeError):
     (``without_host=True``). Raised before the call changes any gradient, weight or
     scale; the message says what to move out of the trace.
     """
+
+
+class CompileWarning(UserWarning):
+    """Compiled code that runs part of its work eagerly because of an ``amp.autocast``
+    block: dynamo gave up on the function holding the block (a graph break inside it)
+    and runs that function eagerly, compiling only the functions it calls. Said once per
+    function, with the torch version and the fix (docs/COMPILE.md)."""
