@@ -18,8 +18,10 @@ from .fake_backend import FakeTensor, linear_loss
 
 
 def stand_in(module, name="Tensor"):
-    """An object whose class says it lives in ``module``, as real framework classes do."""
-    return type(name, (), {"__module__": module, "__repr__": lambda self: f"{name}(1.0)"})()
+    """An object whose class says it lives in ``module``, as real framework classes do;
+    iterable, as both frameworks' tensors are (torch.amp's scale() maps over those)."""
+    return type(name, (), {"__module__": module, "__repr__": lambda self: f"{name}(1.0)",
+                           "__iter__": lambda self: iter([1.0])})()
 
 
 FOREIGN = [("megengine.tensor", "MegEngine", "megengine"), ("torch", "PyTorch", "torch")]
