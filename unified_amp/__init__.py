@@ -27,6 +27,7 @@ from .cast_registry import (
 )
 from .errors import (
     BackendUnavailableError,
+    TensorTypeError,
     UnifiedAmpError,
     UnknownBackendError,
     UnsupportedPrecisionError,
@@ -79,4 +80,5 @@ __all__ = [
     "BackendUnavailableError",
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
+    "TensorTypeError",
 ]
