@@ -28,6 +28,7 @@ from .cast_registry import (
 from .errors import (
     BackendUnavailableError,
     CompileWarning,
+    TensorTypeError,
     UnifiedAmpError,
     UnknownBackendError,
     UnsupportedPrecisionError,
@@ -80,5 +81,6 @@ __all__ = [
     "BackendUnavailableError",
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
+    "TensorTypeError",
     "CompileWarning",
 ]

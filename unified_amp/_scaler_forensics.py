@@ -14,6 +14,7 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
+from . import _foreign
 from . import forensics as tracing
 from ._registry import get_backend
 from .forensics import BadGradient, OverflowReport, OverflowWarning, _ref
@@ -85,7 +86,7 @@ class Forensics:
                 raise TypeError(
                     f"GradScaler.watch() expects a {backend.name} module (the model whose"
                     f" parameters get names in overflow reports); got"
-                    f" {type(model).__name__}.{hint}"
+                    f" {type(model).__name__}.{hint or _foreign.hint(model, backend.name)}"
                 )
             if all(ref() is not model for ref in self._models):
                 self._models.append(_ref(model))

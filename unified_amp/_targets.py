@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._foreign import _short, hint
+
 
 def is_optimizer(obj: Any) -> bool:
     return hasattr(obj, "param_groups") and hasattr(obj, "step")
@@ -39,10 +41,11 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         except TypeError:
             params = [target]  # not iterable: rejected below, as a non-tensor
         if not all(backend.is_tensor(p) for p in params):
+            odd = next(p for p in params if not backend.is_tensor(p))
             raise TypeError(
                 f"{what} expects a GradManager, an optimizer, a module, or an iterable of"
                 f" {backend.name} parameters; got {type(target).__name__}"
-                f" {_short(target)}."
+                f" {_short(target)}.{hint(target, backend.name) or hint(odd, backend.name)}"
             )
     if len(set(map(id, params))) == len(params):
         return params  # the usual case, checked at C speed
@@ -53,8 +56,3 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
             seen.add(id(p))
             unique.append(p)
     return unique
-
-
-def _short(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 60 else text[:57] + "..."

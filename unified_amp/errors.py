@@ -13,6 +13,7 @@ __all__ = [
     "BackendUnavailableError",
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
+    "TensorTypeError",
     "CompileWarning",
 ]
 
@@ -55,6 +56,18 @@ class UnsupportedTraceError(UnifiedAmpError, RuntimeError):
     by any scaler call in a trace that replays without running Python
     (``without_host=True``). Raised before the call changes any gradient, weight or
     scale; the message says what to move out of the trace.
+    """
+
+
+class TensorTypeError(UnifiedAmpError, TypeError, ValueError):
+    """A value where the active backend's tensors were expected: another framework's
+    tensor (with both installed, the other one chose the backend), a NumPy array, or
+    anything else that is no tensor.
+
+    Raised by the call that got the value, before it changes anything; the message
+    names the value, its framework, and how to select that framework's backend or
+    what to pass instead. A ``TypeError`` (what either framework raises for a
+    non-tensor) and a ``ValueError`` (what torch.amp's ``GradScaler.scale()`` raises).
     """
 
 

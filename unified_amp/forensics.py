@@ -38,7 +38,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import _tracing
+from . import _foreign, _tracing
 from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .pinning import pin_expression
@@ -291,8 +291,9 @@ class ForwardTrace:
         if not backend.is_module(model):
             raise TypeError(
                 f"trace_forward() expects a {backend.name} module (the model to trace);"
-                f" got {type(model).__name__}. Pass the model itself, e.g."
-                f" amp.trace_forward(model)."
+                f" got {type(model).__name__}."
+                + (_foreign.hint(model, backend.name)
+                   or " Pass the model itself, e.g. amp.trace_forward(model).")
             )
         self._backend = backend
         self.model = model

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _amp_state
+from . import _amp_state, _foreign
 from ._casting import _cast_tree
 from .interface import LOW_PRECISION
 from ._registry import get_backend
@@ -253,7 +253,8 @@ def keep_float32(*modules: Any, enabled: bool = True) -> Any:
                 hint = " Pass the module, not its parameters or outputs."
             raise TypeError(
                 f"amp.keep_float32 expects {backend.name} modules; argument {i} is a"
-                f" {type(module).__name__}: {_describe(module)}.{hint}")
+                f" {type(module).__name__}: {_describe(module)}."
+                f"{hint or _foreign.hint(module, backend.name)}")
     for module in modules:
         (_pin if enabled else _unpin)(module, backend)
     return modules[0]

@@ -39,17 +39,16 @@ import functools
 import inspect
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
-from . import distributed
+from . import _foreign, distributed
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from ._ledger import Check, GradLedger
 from ._registry import get_backend
 from ._scale_rule import check_factors, f32, next_scale
 from ._scaler_state import AdapterView, _Stage
 from ._scaler_surface import ScalerSurface
-from ._targets import _short, is_optimizer, params_of
+from ._targets import is_optimizer, params_of
 from ._scaler_forensics import Forensics
 from .interface import BackwardHooks, NativeScalerClass, capability
 
@@ -200,13 +199,10 @@ class GradScaler(ScalerSurface):
             return out
         if isinstance(val, (list, tuple)):
             return type(val)(self._scaled(v, f"{where}[{i}]") for i, v in enumerate(val))
-        if isinstance(val, Iterable) and not isinstance(val, (str, bytes, Mapping)):
+        if _foreign.scalable(val, backend.name):
             return map(lambda v: self._scaled(v, f"{where}[...]"), val)
-        raise ValueError(
-            f"GradScaler.scale() expects a {backend.name} tensor or a list/tuple of"
-            f" them; {where} is {type(val).__name__} {_short(val)}. Scale only the"
-            f" loss (or outputs) you call backward on."
-        )
+        raise _foreign.not_a_tensor("GradScaler.scale()", backend.name, where, val,
+                                    "Scale only the loss (or outputs) you call backward on.")
 
     def backward(self, gm: Any, y: Any = None, dy: Any = None, *,
                  unscale_grad: bool = True, update_scale: bool = True) -> None:
@@ -239,6 +235,8 @@ class GradScaler(ScalerSurface):
             self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
         self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
         ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
+        _foreign.require_tensors(self._be(), ys, "GradScaler.backward(gm, y)",
+                                 "Pass the loss (or outputs) the forward pass recorded.")
         if dy is None:
             dys = None
         else:

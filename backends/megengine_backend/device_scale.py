@@ -20,12 +20,30 @@ reciprocal (the one float32 division is correctly rounded, as the host's float64
 reciprocal rounded to float32 is, since 53 >= 2*24+2 bits), the kernel checks each
 gradient before scaling it, as here, and the scale's products are exact in float32 for
 factors that float32 holds exactly (the core refuses the others inside a trace).
+
+And the same bits at MegEngine's default ``opt_level`` (2). Its graph optimizer
+rewrites elementwise chains: one pass normalizes some (a division becomes a power, the
+scaled loss's seed merges into the backward's first product), which remakes every
+variable downstream, and a later pass sums each chain of additions in the order its
+terms' variables were made. SGD's update is such a chain (``momentum * buf + (grad +
+decay * param)``); in a plain traced step the gradient is older than the update's
+products and the sum keeps eager's order, but a gradient remade downstream of a
+rewrite is summed last, which changes the last bits (a conv net with BatchNorm and
+weight decay: ``weight_decay`` in tests/native/megengine_trace_scenarios.py). So
+``step`` runs the gradients, the parameters and their optimizer state through the
+fused kernel, unchanged (``_settle``), just before the update: whatever was rewritten
+upstream, the gradient is then an output of that kernel and the update's products are
+made after it, as in eager order. The kernel also ends the multiply chains there, so a
+clip between the unscale and the step (``lr * (grad * coef)``) keeps eager's order too,
+which MegEngine's own traced step does not (test_megengine_trace.py).
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any, Sequence
+
+import numpy as np
 
 import megengine
 import megengine.functional as F
@@ -36,6 +54,16 @@ from megengine.jit import tracing as _tracing
 from unified_amp import interface
 
 from .scaling import require_float32
+
+
+def _settle(tensors: Sequence[Any]) -> None:
+    """Rebinds the float32 ``tensors`` to the outputs of one call of MegEngine's fused
+    kernel, times 1.0 (the same values; its flag unused): inside a trace, an op the
+    graph optimizer cannot see into, whose outputs are made together (module
+    docstring)."""
+    same = [t for t in tensors if t.dtype == np.float32]
+    if same:
+        _check_non_finite(same, 1.0)
 
 
 class DeviceScale(interface.TracedScale):
@@ -115,6 +143,7 @@ class DeviceScale(interface.TracedScale):
         live = params + [t for p in params for t in state.get(p, {}).values()
                          if isinstance(t, megengine.Tensor)]
         old = [t.detach() for t in live]
+        _settle([p.grad for p in params] + live)
         result = optimizer.step(*args, **kwargs)
         for t, before in zip(live, old):
             t._reset(F.where(found, before, t))

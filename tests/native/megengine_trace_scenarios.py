@@ -32,12 +32,25 @@ OVERFLOW_AT = (1, 4)  # the second step, so that a replay (not the recording) me
 INIT, INTERVAL = 2.0**4, 2
 
 
-def model_and_data():
+class Flatten(M.Module):
+    def forward(self, x):
+        return F.flatten(x, 1)
+
+
+def model_and_data(kind="mlp"):
+    """The scenarios' model and batches: an MLP, or ("conv_bn") a conv net with
+    BatchNorm, whose traced SGD step with weight decay once differed from eager."""
     rng = np.random.RandomState(0)
-    model = M.Sequential(M.Linear(8, 16), M.ReLU(), M.Linear(16, 4))
+    if kind == "conv_bn":
+        model = M.Sequential(M.Conv2d(2, 4, 3, padding=1), M.BatchNorm2d(4), M.ReLU(),
+                             Flatten(), M.Linear(64, 4))
+        shape = (8, 2, 4, 4)
+    else:
+        model = M.Sequential(M.Linear(8, 16), M.ReLU(), M.Linear(16, 4))
+        shape = (8, 8)
     for p in model.parameters():
         p._reset(mge.tensor(rng.randn(*p.shape).astype("float32") * 0.3))
-    batches = [(rng.randn(8, 8).astype("float32"), rng.randint(0, 4, 8).astype("int32"))
+    batches = [(rng.randn(*shape).astype("float32"), rng.randint(0, 4, 8).astype("int32"))
                for _ in range(STEPS)]
     return model, batches
 
@@ -190,6 +203,7 @@ def read_state(model, gm, opt, scaler, x, y):
 
 
 # name -> (step body, options): "adam" (Adam, whose state holds a step count),
+# "model" (model_and_data's kind), "weight_decay" and "momentum" (SGD's),
 # "eager_at" (steps run eagerly between traced ones: the scale moves between the host and
 # the device both ways), "trace" (keyword arguments of trace), "backoff" (the factor),
 # "modes" (the values of symbolic to trace with).
@@ -203,6 +217,15 @@ SCENARIOS.update({
     # eager steps agree bit for bit, so that is where the scaler's part is compared.
     "adam": (torch_form, {"adam": True, "trace": {"opt_level": 0}}),
     "eager_between": (torch_form, {"eager_at": (0, 1, 4)}),
+    # SGD with weight decay on a conv net with BatchNorm, at the default opt_level:
+    # MegEngine's graph optimizer reorders the update's sum (momentum, gradient, decay)
+    # by the age of its terms, so any op of the scaler's before it changed the bits
+    # until the step ran the update's inputs through one kernel (device_scale.py).
+    "weight_decay": (torch_form, {"model": "conv_bn", "weight_decay": 1e-2}),
+    "weight_decay_clip": (clip_native, {"model": "conv_bn", "weight_decay": 1e-2}),
+    # Clipping before plain SGD: MegEngine alone traces this to other bits than eager
+    # at the default opt_level (test_megengine_trace.py), the scaler's step does not.
+    "clip_sgd": (clip_native, {"momentum": 0.0}),
     # Eager automatic steps, the last of them an overflow, then traced steps that start
     # from the copy that overflow corrected.
     "automatic_first": (automatic_then_traced, {"eager_at": (0, 1)}),
@@ -216,7 +239,8 @@ SCENARIOS.update({
 })
 
 
-def run(body, symbolic, adam=False, eager_at=(), trace=None, backoff=0.5, inplace=False):
+def run(body, symbolic, adam=False, eager_at=(), trace=None, backoff=0.5, inplace=False,
+        model="mlp", weight_decay=0.0, momentum=0.9):
     """The loop, eager (symbolic None) or traced. Returns a dict of what it did."""
     if inplace:
         os.environ["MEGENGINE_INPLACE_UPDATE"] = "1"
@@ -224,12 +248,13 @@ def run(body, symbolic, adam=False, eager_at=(), trace=None, backoff=0.5, inplac
             return run(body, symbolic, adam, eager_at, trace, backoff)
         finally:
             del os.environ["MEGENGINE_INPLACE_UPDATE"]
-    model, batches = model_and_data()
+    model, batches = model_and_data(model)
     gm = GradManager().attach(model.parameters())
     if adam:
         opt = optim.Adam(model.parameters(), lr=1e-2)
     else:
-        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=momentum,
+                        weight_decay=weight_decay)
     scaler = amp.GradScaler(init_scale=INIT, growth_interval=INTERVAL,
                             backoff_factor=backoff)
     forward = contextlib.nullcontext()
