@@ -23,7 +23,6 @@ from torch._dynamo.backends.common import aot_autograd
 import unified_amp as amp
 from unified_amp.backends.torch_backend import autocast as torch_autocast
 
-from ..fake_cuda import report_a_gpu
 
 BF16 = torch.bfloat16
 CAST = torch.ops.aten._to_copy.default  # a dtype cast, as AOTAutograd traces it
@@ -449,15 +448,20 @@ def test_each_side_gets_its_own_dtypes_in_one_process(order, reset):
     _run_in_order(order, Recorder(), reset, (8, 8))
 
 
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available")
 def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(monkeypatch):
-    """With a GPU present, entering a block asks torch.cuda whether the device computes
-    bfloat16; dynamo cannot trace that query (it returns a bool, not a tensor), and
-    asked inside a compiled function it broke the graph on a real GPU. Here torch.cuda
-    reports a GPU and the query is one dynamo cannot trace: the block (device None: CPU
-    and CUDA) must still compile whole, with the question asked once while tracing and
-    never by the compiled code. On a CUDA build of torch without a GPU the CUDA
-    autocast state itself is real, so this runs on every build."""
-    report_a_gpu(monkeypatch)
+    """With a GPU present, entering a block (device None: CPU and CUDA) asks torch.cuda
+    whether the device computes bfloat16; dynamo cannot trace that query (it returns a
+    bool, not a tensor), and asked inside a compiled function it broke the graph on a
+    real GPU. Here the adapter sees a GPU and the query is one dynamo cannot trace: the
+    block must still compile whole, and the compiled code must never ask again.
+
+    Only the adapter is told of a GPU, not torch: on a CUDA build of torch without a
+    driver, a torch.cuda that says a GPU is there makes dynamo itself start CUDA (its
+    stream tracking asks torch.accelerator), which fails. torch.autocast("cuda") then
+    warns, while tracing, that CUDA is absent; that is torch's, not the block's."""
+    monkeypatch.setattr(torch_autocast, "devices",
+                        lambda device: [device] if device else ["cpu", "cuda"])
     asked_while_tracing = []
 
     def untraceable(*args, **kwargs):
