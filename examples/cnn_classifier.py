@@ -90,14 +90,17 @@ def train_step(model: Any, gm: amp.GradManager, optimizer: Any, scaler: amp.Grad
 
 
 def evaluate(fw: Any, model: Any, images: np.ndarray, labels: np.ndarray,
-             precision: amp.autocast, batch_size: int = 500) -> tuple[float, str]:
-    """Accuracy of ``model`` on numpy data, and the dtype its logits came out in."""
+             precision: Any, batch_size: int = 500,
+             to_input: Callable[[np.ndarray], Any] | None = None) -> tuple[float, str]:
+    """Accuracy of ``model`` on numpy data, and the dtype its logits came out in;
+    ``to_input`` makes a batch the model's input (default: ``fw.tensor``)."""
+    to_input = to_input or fw.tensor
     model.eval()
     correct, dtype = 0, ""
     with fw.inference(), precision:
         for start in range(0, len(images), batch_size):
             batch = slice(start, start + batch_size)
-            logits = model(fw.tensor(images[batch]))
+            logits = model(to_input(images[batch]))
             dtype = fw.dtype_name(logits)
             correct += int((fw.numpy(logits).argmax(1) == labels[batch]).sum())
     model.train()
