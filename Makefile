@@ -192,7 +192,9 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 MODELS_SUITE := $(if $(filter torch,$(TEST_BACKENDS)),models)
 run_models = echo; echo "================ integrations: real models (torch) ================"; \
 	  UNIFIED_AMP_BACKEND=torch UNIFIED_AMP_REQUIRE_MODELS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-	    $(VENV_integrations-models)/bin/python -m pytest tests/integrations/test_torch_models.py -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	    $(VENV_integrations-models)/bin/python -m pytest tests/integrations/test_torch_models.py \
+	    tests/test_bench_smoke.py::test_real_models_benchmark_times_each_variant_beside_a_control \
+	    -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
 	    | tee $(LOGDIR)/integrations-models.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1;
 

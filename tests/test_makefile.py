@@ -79,7 +79,8 @@ def test_integrations_run_the_real_models_in_their_own_environment_with_torch_on
     assert "-c constraints/integrations-models.txt" in proc.stdout
     assert ("UNIFIED_AMP_REQUIRE_MODELS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
             " .venv-integrations-models/bin/python -m pytest"
-            " tests/integrations/test_torch_models.py") in proc.stdout
+            " tests/integrations/test_torch_models.py"
+            " tests/test_bench_smoke.py::test_real_models_benchmark") in proc.stdout
     assert "for b in torch models;" in proc.stdout  # in the summary
     proc = make("-n", "test-integrations", "BACKENDS=megengine")
     assert proc.returncode == 0, proc.stderr
