@@ -179,19 +179,22 @@ def synthetic_images(n: int, seed: int, rng: np.random.Generator
     a few images stay ambiguous, so held-out accuracy climbs rather than jumps.
     """
     patterns = np.random.default_rng(seed).normal(size=(len(CLASSES), 3, 4, 4))
-    patterns = np.kron(patterns, np.ones((1, 1, 8, 8)))  # 4x4 blocks -> 32x32
+    patterns = np.kron(patterns, np.ones((1, 1, 8, 8))).astype(np.float32)  # 4x4 -> 32x32
     labels = np.arange(n) % len(CLASSES)
     rng.shuffle(labels)
-    other = (labels + rng.integers(1, len(CLASSES), n)) % len(CLASSES)
-    weight = rng.uniform(0.2, 0.7, n)[:, None, None, None]
-    images = patterns[labels] + weight * patterns[other]
-    shifts = rng.integers(-4, 5, (n, 2))
-    for i, (dy, dx) in enumerate(shifts):
-        images[i] = np.roll(images[i], (dy, dx), axis=(1, 2))
-    flip = rng.random(n) < 0.5
-    images[flip] = images[flip][..., ::-1]
-    images = 128 + 32 * images + rng.normal(0, 48, images.shape)
-    return np.clip(images, 0, 255).astype(np.uint8), labels
+    images = np.empty((n, *SHAPE), np.uint8)
+    for start in range(0, n, 4096):  # in chunks: a CIFAR-sized set in floats is 1.5 GB
+        y = labels[start:start + 4096]
+        other = (y + rng.integers(1, len(CLASSES), len(y))) % len(CLASSES)
+        weight = rng.uniform(0.2, 0.7, len(y)).astype(np.float32)[:, None, None, None]
+        chunk = patterns[y] + weight * patterns[other]
+        for i, (dy, dx) in enumerate(rng.integers(-4, 5, (len(y), 2))):
+            chunk[i] = np.roll(chunk[i], (dy, dx), axis=(1, 2))
+        flip = rng.random(len(y)) < 0.5
+        chunk[flip] = chunk[flip][..., ::-1]
+        chunk = 128 + 32 * chunk + rng.normal(0, 48, chunk.shape).astype(np.float32)
+        images[start:start + len(y)] = np.clip(chunk, 0, 255)
+    return images, labels
 
 
 def _dump(path: Path, obj: Any) -> None:
