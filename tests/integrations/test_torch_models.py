@@ -39,6 +39,10 @@ import unified_amp as amp  # noqa: E402
 
 from . import pins  # noqa: E402
 
+# torch's own AotEagerAndRecordGraphs hands AOTAutograd unboxed functions; it says so.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Your compiler for AOTAutograd is returning a function:UserWarning")
+
 INF = float("inf")
 STEPS = 6
 INF_LOSS_AT, INF_GRAD_AT = 1, 3  # steps counted from 0
