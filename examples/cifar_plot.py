@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from . import cnn_classifier
+
 # fp32 wide and solid, AMP dashed on top: where the curves agree both stay visible.
 STYLES = {"fp32": {"color": "tab:blue", "linewidth": 2.6, "alpha": 0.75},
           "AMP": {"color": "tab:orange", "linewidth": 1.4, "linestyle": "--"}}
@@ -116,19 +118,14 @@ def table(result: dict[str, Any]) -> str:
     runs = result["runs"]
     ratio = result["throughput_ratio"]
     rows = [
-        ("precision", lambda r: r["precision"]),
-        ("loss, first step", lambda r: f"{r['losses'][0]:.4f}"),
-        ("loss, last epoch", lambda r: f"{r['epoch_losses'][-1]:.4f}"),
-        ("held-out accuracy", lambda r: f"{100 * r['accuracy']:.1f}%"),
+        ("precision", lambda r: r["precision"]), *cnn_classifier.LOSS_ROWS,
         ("best accuracy", lambda r: f"{100 * max(r['accuracies']):.1f}%"),
         ("samples/s", lambda r: f"{r['samples_per_s']:.1f}"),
         ("throughput vs fp32", lambda r: "1 (baseline)" if r is runs["fp32"] else
          f"{ratio['median']:.2f}x ({ratio['q1']:.2f}-{ratio['q3']:.2f})"),
         ("peak memory", lambda r: mib(r["peak_memory_bytes"])),
         ("step memory", lambda r: mib(r["step_memory_bytes"])),
-        ("final loss scale", lambda r: f"{r['scaler']['scale']:g}"
-                                       + ("" if r["scaler"]["enabled"] else " (off)")),
-        ("skipped steps", lambda r: f"{r['scaler']['skipped_steps']} of {len(r['losses'])}"),
+        *cnn_classifier.SCALER_ROWS,
     ]
     lines = [f"{'':<20}" + "".join(f"{n:>24}" for n in runs)]
     lines += [f"{label:<20}" + "".join(f"{cell(r):>24}" for r in runs.values())

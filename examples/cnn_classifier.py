@@ -279,20 +279,25 @@ def accuracy_verdict(results: dict[str, dict[str, Any]]) -> str:
             f" on {results['fp32']['data']['test']} images).")
 
 
+# The rows of a run's summary that the demo and the CIFAR experiment (examples.cifar_plot)
+# both print: label, and the cell made from the run's result.
+LOSS_ROWS = [
+    ("loss, first step", lambda r: f"{r['losses'][0]:.4f}"),
+    ("loss, last epoch", lambda r: f"{r['epoch_losses'][-1]:.4f}"),
+    ("held-out accuracy", lambda r: f"{100 * r['accuracy']:.1f}%"),
+]
+SCALER_ROWS = [
+    ("final loss scale", lambda r: f"{r['scaler']['scale']:g}"
+                                   + ("" if r["scaler"]["enabled"] else " (off)")),
+    ("skipped steps", lambda r: f"{r['scaler']['skipped_steps']} of {len(r['losses'])}"),
+]
+
+
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     """One column per run: losses, accuracy, samples/s, loss scale, skipped steps."""
     names = list(results)
-    rows = [
-        ("compute dtype", lambda r: r["compute_dtype"]),
-        ("loss, first step", lambda r: f"{r['losses'][0]:.4f}"),
-        ("loss, last epoch", lambda r: f"{r['epoch_losses'][-1]:.4f}"),
-        ("held-out accuracy", lambda r: f"{100 * r['accuracy']:.1f}%"),
-        ("samples/s", lambda r: f"{r['samples_per_s']:.0f}"),
-        ("final loss scale", lambda r: f"{r['scaler']['scale']:g}"
-                                       + ("" if r["scaler"]["enabled"] else " (off)")),
-        ("skipped steps", lambda r: f"{r['scaler']['skipped_steps']}"
-                                    f" of {len(r['losses'])}"),
-    ]
+    rows = [("compute dtype", lambda r: r["compute_dtype"]), *LOSS_ROWS,
+            ("samples/s", lambda r: f"{r['samples_per_s']:.0f}"), *SCALER_ROWS]
     if "AMP" in results and "fp32" in results:
         ratio = throughput_ratio(results)
         rows.insert(5, ("throughput vs fp32",

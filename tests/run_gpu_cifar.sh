@@ -6,7 +6,7 @@
 # data/cifar-10-batches-py) when that folder holds it, and otherwise trains on a synthetic
 # folder of the same size (50000 + 10000 images, written to $SYNTHETIC-50000). What it prints also
 # goes to $OUT (default gpu-output/): env.txt, cifar.log, and the run's JSON and PNG.
-#   PY=python3 OUT=gpu-output EPOCHS=15 BUDGET=420 bash examples/run_gpu_cifar.sh
+#   PY=python3 OUT=gpu-output EPOCHS=15 BUDGET=420 bash tests/run_gpu_cifar.sh
 # BUDGET: seconds of training after which no new epoch starts (the learning rate still
 # drops at half and three quarters of EPOCHS); CAP: the hard limit on the whole run.
 # TF32=0 turns off TF32 for float32 convolutions and matmuls (torch runs float32
@@ -23,18 +23,8 @@ CAP=${CAP:-540}
 DATA=${CIFAR_DATA:-data/cifar-10-batches-py}
 SYNTHETIC=${SYNTHETIC:-/tmp/synthetic-cifar-10}
 SYNTHETIC_N=${SYNTHETIC_N:-50000}
-mkdir -p "$OUT"
-export UNIFIED_AMP_BACKEND=torch PYTHONUNBUFFERED=1
-
-{
-  date -u
-  nvidia-smi -L || true
-  "$PY" -c 'import torch, numpy, sys; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "numpy", numpy.__version__); print(torch.cuda.get_device_name(0))'
-} 2>&1 | tee "$OUT/env.txt"
-
-# The adapters install as unified_amp.backends (package-dir), so the package must be
-# installed, not just on sys.path; with no network, no build isolation and no dependencies.
-"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3 | tee -a "$OUT/env.txt"
+# shellcheck source=tests/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
 
 if [ -f "$DATA/data_batch_1" ] || [ -f "$DATA/cifar-10-batches-py/data_batch_1" ]; then
   data=(--data "$DATA")
