@@ -74,7 +74,8 @@ def test_integrations_torch_needs_nothing_of_megengine_and_requires_its_runners(
 
 
 def test_integrations_run_the_real_models_in_their_own_environment_with_torch_only():
-    proc = make("-n", "test-integrations", "BACKENDS=torch", "PY_MGE=/no/python3.10")
+    # -B: every recipe, as on a clean clone, even where the environments exist already.
+    proc = make("-n", "-B", "test-integrations", "BACKENDS=torch", "PY_MGE=/no/python3.10")
     assert proc.returncode == 0, proc.stderr
     assert "-c constraints/integrations-models.txt" in proc.stdout
     assert ("UNIFIED_AMP_REQUIRE_MODELS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
@@ -82,7 +83,7 @@ def test_integrations_run_the_real_models_in_their_own_environment_with_torch_on
             " tests/integrations/test_torch_models.py"
             " tests/test_bench_smoke.py::test_real_models_benchmark") in proc.stdout
     assert "for b in torch models;" in proc.stdout  # in the summary
-    proc = make("-n", "test-integrations", "BACKENDS=megengine")
+    proc = make("-n", "-B", "test-integrations", "BACKENDS=megengine")
     assert proc.returncode == 0, proc.stderr
     assert "models" not in proc.stdout
 
