@@ -15,8 +15,8 @@
 #                              why the step was skipped)
 #   make bench                 the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick)
 #   make cifar                 ResNet on CIFAR-10, fp32 vs AMP, on $UNIFIED_AMP_BACKEND
-#                              (docs/CIFAR.md): CIFAR_ARGS="--data DIR" for the data set,
-#                              CIFAR_ARGS="--synthetic 960 --model resnet18 --width 8" without
+#                              (docs/CIFAR.md): CIFAR_ARGS="--data DIR" reads the data set;
+#                              CIFAR_ARGS="--synthetic 960 --model resnet18 --width 8" needs none
 #   make typecheck             mypy on unified_amp/, backends/ and the fake backend (in .venv-torch)
 #   make clean                 remove the environments and what the targets wrote
 SHELL := /bin/bash
