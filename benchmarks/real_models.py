@@ -50,7 +50,8 @@ SIZES = {
     "cuda": {"resnet50": dict(batch=128), "gpt2": dict(batch=16, seq=512, layers=12,
                                                         width=768)},
 }
-SCHEDULE = {"full": dict(warmup=2, rounds=31, steps=3), "quick": dict(warmup=1, rounds=2, steps=1),
+SCHEDULE = {"full": dict(warmup=2, rounds=31, steps=3),
+            "quick": dict(warmup=1, rounds=2, steps=1),
             "cuda": dict(warmup=10, rounds=15, steps=10)}
 
 
