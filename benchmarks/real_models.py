@@ -194,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if amp.get_backend().name != "torch":
-        p.error("these models are torch's (torchvision, transformers); set UNIFIED_AMP_BACKEND=torch")
+        p.error("these models are torch's (torchvision, transformers);"
+                " set UNIFIED_AMP_BACKEND=torch")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or set(models) - set(MODELS):
-        p.error(f"--models takes a comma-separated subset of {','.join(MODELS)}; got {args.models!r}")
+        p.error(f"--models takes a comma-separated subset of {','.join(MODELS)};"
+                f" got {args.models!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here")
     if args.threads:

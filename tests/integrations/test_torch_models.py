@@ -52,8 +52,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def _images(batch=2):
     g = torch.Generator().manual_seed(1234)
-    return [(torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
-            for _ in range(STEPS)]
+    return [(torch.randn(batch, 3, 32, 32, generator=g),
+             torch.randint(0, 10, (batch,), generator=g)) for _ in range(STEPS)]
 
 
 def resnet50():
