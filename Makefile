@@ -6,12 +6,17 @@
 #   make test-integrations     tests/integrations: the runners (Lightning, Fabric, ignite,
 #                              Enchanter, accelerate; basecore on MegEngine) trained with
 #                              their framework's scaler and with unified_amp's, in
-#                              environments of their own (BACKENDS=torch: one of them)
+#                              environments of their own (BACKENDS=torch: one of them);
+#                              with torch, also real models (torchvision's ResNet-50, timm's
+#                              ViT, transformers' GPT-2) in .venv-integrations-models
 #   make demo                  fp32 vs AMP on scikit-learn's digits, on $UNIFIED_AMP_BACKEND
 #                              (default torch); writes demo-output/<backend>-curves.png
 #                              (DEMO_ARGS="--plant overflow" plants an overflow and prints
 #                              why the step was skipped)
 #   make bench                 the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick)
+#   make cifar                 ResNet on CIFAR-10, fp32 vs AMP, on $UNIFIED_AMP_BACKEND
+#                              (docs/CIFAR.md): CIFAR_ARGS="--data DIR" reads the data set;
+#                              CIFAR_ARGS="--synthetic 960 --model resnet18 --width 8" needs none
 #   make typecheck             mypy on unified_amp/, backends/ and the fake backend (in .venv-torch)
 #   make clean                 remove the environments and what the targets wrote
 SHELL := /bin/bash
@@ -32,6 +37,7 @@ VENV_megengine := .venv-megengine
 VENV_torch-oldest := .venv-torch-oldest
 VENV_integrations-torch := .venv-integrations-torch
 VENV_integrations-megengine := .venv-integrations-megengine
+VENV_integrations-models := .venv-integrations-models
 # The runners tests/integrations trains with (exact versions: constraints/integrations-*.txt).
 # They get environments of their own so that `make test`'s stay what users install:
 # Enchanter goes in without its declared dependencies (it pins scikit-learn<0.25, which has
@@ -47,9 +53,11 @@ EXTRAS_torch := torch,test,examples,bench
 EXTRAS_megengine := megengine,test,examples,bench
 EXTRAS_integrations-torch := torch,test
 EXTRAS_integrations-megengine := megengine,test
+EXTRAS_integrations-models := torch,test
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 DEMO_ARGS ?=
+CIFAR_ARGS ?=
 LOGDIR := .test-logs
 
 # Names no environment here is made for: such a target depends on `unknown-backend`
@@ -88,7 +96,7 @@ from_base = $(1)/bin/python -c 'import sys, $(2) as m; sys.exit(None if "/$(3)/"
 # logger), when there is no CUDA driver; on a CPU machine they only say it runs on CPU.
 CUDA_STUB_NOISE := ^(info: \+|debug: failed to load cuda func: )
 
-.PHONY: test test-oldest test-integrations demo bench typecheck env-torch env-megengine unknown-backend clean
+.PHONY: test test-oldest test-integrations demo bench cifar typecheck env-torch env-megengine unknown-backend clean
 
 $(VENV_torch)/.ready: pyproject.toml constraints/torch.txt
 	@echo ">>> setting up $(VENV_torch) with $(PY_TORCH) (torch and the test tools; about 1.5 min the first time)"
@@ -127,13 +135,27 @@ $(VENV_integrations-megengine)/.ready: $(VENV_megengine)/.ready pyproject.toml c
 	@$(call from_base,$(VENV_integrations-megengine),megengine,$(VENV_megengine))
 	@touch $@
 
+# Real models nobody here wrote, for tests/integrations/test_torch_models.py: torchvision,
+# timm and transformers. Not an overlay: the registry's torchvision wheels are CUDA builds
+# that load only into the CUDA build of the same torch, so this venv holds torch 2.14.1's
+# CUDA 13 build with its nvidia wheels (it runs on CPU) beside .venv-torch's 2.13.0 CPU
+# build. Measured on the 2-core machine (local mirror, no pip cache): 6.1 GB on disk,
+# about 1.5 min to install.
+MODELS := torch torchvision timm transformers
+$(VENV_integrations-models)/.ready: pyproject.toml constraints/integrations-models.txt
+	@echo ">>> setting up $(VENV_integrations-models) with $(PY_TORCH) (torch 2.14.1's CUDA build for torchvision, timm, transformers: 6 GB, about 1.5 min the first time)"
+	rm -rf $(VENV_integrations-models)
+	$(PY_TORCH) -m venv $(VENV_integrations-models)
+	@$(call pip_install,$(VENV_integrations-models),-c constraints/integrations-models.txt -e ".[$(EXTRAS_integrations-models)]" $(MODELS))
+	@touch $@
+
 env-torch: $(VENV_torch)/.ready
 env-megengine: $(VENV_megengine)/.ready
 
 # The library's own error for a backend name it does not know (it lists the valid ones),
 # from the framework-free core, so before any environment is made.
-demo bench: BAD_NAME = $(UNIFIED_AMP_BACKEND)
-demo bench: BAD_SOURCE = the UNIFIED_AMP_BACKEND environment variable
+demo bench cifar: BAD_NAME = $(UNIFIED_AMP_BACKEND)
+demo bench cifar: BAD_SOURCE = the UNIFIED_AMP_BACKEND environment variable
 test test-integrations: BAD_NAME = $(BAD_TEST)
 test: BAD_SOURCE = make test BACKENDS=...
 test-integrations: BAD_SOURCE = make test-integrations BACKENDS=...
@@ -165,9 +187,20 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	printf '%-10s %s\n' "mypy:" "$$typed"; \
 	exit $$status
 
+# With torch, the real models too, in their environment (a package missing there is an
+# error as well: UNIFIED_AMP_REQUIRE_MODELS); HF_HUB_OFFLINE: nothing is downloaded.
+MODELS_SUITE := $(if $(filter torch,$(TEST_BACKENDS)),models)
+run_models = echo; echo "================ integrations: real models (torch) ================"; \
+	  UNIFIED_AMP_BACKEND=torch UNIFIED_AMP_REQUIRE_MODELS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+	    $(VENV_integrations-models)/bin/python -m pytest tests/integrations/test_torch_models.py \
+	    tests/test_bench_smoke.py::test_real_models_benchmark_times_each_variant_beside_a_control \
+	    -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	    | tee $(LOGDIR)/integrations-models.log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1;
+
 # Each backend's runners in their own environment; a runner missing there is an error
 # (UNIFIED_AMP_REQUIRE_RUNNERS), not a file quietly left uncollected.
-test-integrations: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_integrations-$(b))/.ready))
+test-integrations: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_integrations-$(b))/.ready) $(if $(MODELS_SUITE),$(VENV_integrations-models)/.ready))
 	@mkdir -p $(LOGDIR); status=0; \
 	for b in $(TEST_BACKENDS); do \
 	  echo; echo "================ integrations: $$b ================"; \
@@ -176,8 +209,9 @@ test-integrations: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS)
 	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; } | tee $(LOGDIR)/integrations-$$b.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	done; \
+	$(if $(MODELS_SUITE),$(run_models)) \
 	echo; echo "================ integrations summary ================"; \
-	for b in $(TEST_BACKENDS); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/integrations-$$b.log | tail -1 | tr -d '=')"; done; \
+	for b in $(TEST_BACKENDS) $(MODELS_SUITE); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/integrations-$$b.log | tail -1 | tr -d '=')"; done; \
 	exit $$status
 
 # Not part of `make test`: it downloads a CUDA build of torch. Run it when the torch
@@ -192,9 +226,15 @@ demo: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
 bench: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
 	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m benchmarks.bench $(BENCH_ARGS)
 
+# No data set is downloaded: without --data or --synthetic it reads data/cifar-10-batches-py
+# and says where to get it if that is missing.
+cifar: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
+	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m examples.cifar $(CIFAR_ARGS)
+
 typecheck: $(VENV_torch)/.ready
 	$(VENV_torch)/bin/python -m mypy
 
 clean:
 	rm -rf $(VENV_torch) $(VENV_megengine) $(VENV_torch-oldest) $(VENV_integrations-torch) \
-	  $(VENV_integrations-megengine) $(LOGDIR) demo-output .mypy_cache *.egg-info
+	  $(VENV_integrations-megengine) $(VENV_integrations-models) $(LOGDIR) demo-output \
+	  cifar-output .mypy_cache *.egg-info

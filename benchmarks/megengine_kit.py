@@ -98,19 +98,5 @@ class Kit(BenchKit, MegEngineKit):
         return ("--tf32 sets torch.backends flags; MegEngine has no such switch, so the"
                 " setting is ignored on this backend.")
 
-    def reset_peak_memory(self) -> None:
-        self.synchronize()
-        megengine.device.reset_max_memory_stats()
-
-    def peak_memory(self) -> tuple[int | None, str]:
-        """(bytes, how it was measured); bytes is None where MegEngine reports nothing."""
-        self.synchronize()
-        peak = int(megengine.device.get_max_allocated_memory())
-        if peak == 0 and self.device == "cpu":
-            return None, ("megengine.device.get_max_allocated_memory() returns 0 on the CPU"
-                          " build, also after steps that allocate; there is no framework"
-                          " figure on CPU")
-        return peak, "megengine.device.get_max_allocated_memory() after megengine._full_sync()"
-
     def tensor_bytes(self, tensors: Any) -> int:
         return sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize for t in tensors)

@@ -105,20 +105,6 @@ class Kit(BenchKit, TorchKit):
         torch.backends.cudnn.allow_tf32 = on
         return None
 
-    def reset_peak_memory(self) -> None:
-        if self.device == "cuda":
-            self.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_memory(self) -> tuple[int | None, str]:
-        """(bytes, how it was measured); bytes is None where torch reports nothing."""
-        if self.device != "cuda":
-            return None, ("torch reports peak memory for CUDA only"
-                          " (torch.cuda.max_memory_allocated); there is no framework"
-                          " figure on CPU")
-        self.synchronize()
-        return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated()"
-
     def tensor_bytes(self, tensors: Any) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -90,14 +90,17 @@ def train_step(model: Any, gm: amp.GradManager, optimizer: Any, scaler: amp.Grad
 
 
 def evaluate(fw: Any, model: Any, images: np.ndarray, labels: np.ndarray,
-             precision: amp.autocast, batch_size: int = 500) -> tuple[float, str]:
-    """Accuracy of ``model`` on numpy data, and the dtype its logits came out in."""
+             precision: Any, batch_size: int = 500,
+             to_input: Callable[[np.ndarray], Any] | None = None) -> tuple[float, str]:
+    """Accuracy of ``model`` on numpy data, and the dtype its logits came out in;
+    ``to_input`` makes a batch the model's input (default: ``fw.tensor``)."""
+    to_input = to_input or fw.tensor
     model.eval()
     correct, dtype = 0, ""
     with fw.inference(), precision:
         for start in range(0, len(images), batch_size):
             batch = slice(start, start + batch_size)
-            logits = model(fw.tensor(images[batch]))
+            logits = model(to_input(images[batch]))
             dtype = fw.dtype_name(logits)
             correct += int((fw.numpy(logits).argmax(1) == labels[batch]).sum())
     model.train()
@@ -276,20 +279,25 @@ def accuracy_verdict(results: dict[str, dict[str, Any]]) -> str:
             f" on {results['fp32']['data']['test']} images).")
 
 
+# The rows of a run's summary that the demo and the CIFAR experiment (examples.cifar_plot)
+# both print: label, and the cell made from the run's result.
+LOSS_ROWS = [
+    ("loss, first step", lambda r: f"{r['losses'][0]:.4f}"),
+    ("loss, last epoch", lambda r: f"{r['epoch_losses'][-1]:.4f}"),
+    ("held-out accuracy", lambda r: f"{100 * r['accuracy']:.1f}%"),
+]
+SCALER_ROWS = [
+    ("final loss scale", lambda r: f"{r['scaler']['scale']:g}"
+                                   + ("" if r["scaler"]["enabled"] else " (off)")),
+    ("skipped steps", lambda r: f"{r['scaler']['skipped_steps']} of {len(r['losses'])}"),
+]
+
+
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     """One column per run: losses, accuracy, samples/s, loss scale, skipped steps."""
     names = list(results)
-    rows = [
-        ("compute dtype", lambda r: r["compute_dtype"]),
-        ("loss, first step", lambda r: f"{r['losses'][0]:.4f}"),
-        ("loss, last epoch", lambda r: f"{r['epoch_losses'][-1]:.4f}"),
-        ("held-out accuracy", lambda r: f"{100 * r['accuracy']:.1f}%"),
-        ("samples/s", lambda r: f"{r['samples_per_s']:.0f}"),
-        ("final loss scale", lambda r: f"{r['scaler']['scale']:g}"
-                                       + ("" if r["scaler"]["enabled"] else " (off)")),
-        ("skipped steps", lambda r: f"{r['scaler']['skipped_steps']}"
-                                    f" of {len(r['losses'])}"),
-    ]
+    rows = [("compute dtype", lambda r: r["compute_dtype"]), *LOSS_ROWS,
+            ("samples/s", lambda r: f"{r['samples_per_s']:.0f}"), *SCALER_ROWS]
     if "AMP" in results and "fp32" in results:
         ratio = throughput_ratio(results)
         rows.insert(5, ("throughput vs fp32",

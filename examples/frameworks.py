@@ -239,6 +239,22 @@ class TorchKit(FrameworkKit):
         """A context for evaluation: torch records a graph whenever grad mode is on."""
         return self.torch.no_grad()
 
+    def channels_last(self, x: Any) -> Any:
+        """A model or 4-d tensor in the channels-last memory format (NHWC in memory)."""
+        return x.to(memory_format=self.torch.channels_last)
+
+    def reset_peak_memory(self) -> None:
+        if self.device == "cuda":
+            self.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory(self) -> tuple[int | None, str]:
+        """(bytes, how it was measured); bytes is None where torch reports nothing."""
+        if self.device != "cuda":
+            return None, "torch.cuda.max_memory_allocated() counts CUDA memory only"
+        self.synchronize()
+        return int(self.torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated()"
+
     # -- ops -------------------------------------------------------------------------
     def linear(self, x: Any, w: Any, b: Any) -> Any:
         return self.F.linear(x, w, b)
@@ -398,6 +414,18 @@ class MegEngineKit(FrameworkKit):
     def inference(self) -> Any:
         """A context for evaluation: MegEngine records only inside a GradManager."""
         return contextlib.nullcontext()
+
+    def reset_peak_memory(self) -> None:
+        self.synchronize()
+        self.mge.device.reset_max_memory_stats()
+
+    def peak_memory(self) -> tuple[int | None, str]:
+        """(bytes, how it was measured); bytes is None where MegEngine reports nothing."""
+        self.synchronize()
+        peak = int(self.mge.device.get_max_allocated_memory())
+        if peak == 0 and self.device == "cpu":
+            return None, "megengine.device.get_max_allocated_memory() is 0 on the CPU build"
+        return peak, "megengine.device.get_max_allocated_memory() after megengine._full_sync()"
 
     # -- ops -------------------------------------------------------------------------
     def linear(self, x: Any, w: Any, b: Any) -> Any:

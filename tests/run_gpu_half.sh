@@ -12,18 +12,8 @@ set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-gpu-output}
 WORKERS=${PYTEST_WORKERS:-4}
-mkdir -p "$OUT"
-export UNIFIED_AMP_BACKEND=torch PYTHONUNBUFFERED=1
-
-{
-  date -u
-  nvidia-smi -L || true
-  "$PY" -c 'import torch, numpy, sys; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "numpy", numpy.__version__); print(torch.cuda.get_device_name(0))'
-} 2>&1 | tee "$OUT/env.txt"
-
-# The adapters install as unified_amp.backends (package-dir), so the package must be
-# installed, not just on sys.path; with no network, no build isolation and no dependencies.
-"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3 | tee -a "$OUT/env.txt"
+# shellcheck source=tests/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
 
 # The whole suite but the runners (their own environments, tests/integrations): on a GPU
 # the "cuda" parametrizations of tests/contract run instead of skipping, and

@@ -127,3 +127,29 @@ def test_host_cost_parts_benchmark_takes_each_part_out(tmp_path):
         assert len(times) == 3 and all(t > 0 for t in times), name
     if backend == "megengine":
         assert result["python_call"]["idle_us"]["median"] > 0
+
+
+def test_real_models_benchmark_times_each_variant_beside_a_control(tmp_path):
+    """benchmarks/real_models.py: torchvision's ResNet-50 and transformers' GPT-2, every
+    variant and the control timed in every round, the ratios saved with the plot. It
+    needs torchvision and transformers, which only .venv-integrations-models holds:
+    `make test-integrations` runs this test there."""
+    if amp.get_backend().name != "torch":
+        pytest.skip("the real models are torch's (torchvision, transformers)")
+    for package in ("torchvision", "transformers"):
+        pytest.importorskip(package, reason="runs in .venv-integrations-models"
+                                            " (make test-integrations)")
+    run_benchmark("real_models", "--out", tmp_path, backend="torch")
+    stem = tmp_path / "real-models-cpu-quick"
+    result = json.loads(stem.with_suffix(".json").read_text())
+    assert stem.with_suffix(".png").stat().st_size > 10_000
+    assert set(result["models"]) == {"resnet50", "gpt2"}
+    for name, r in result["models"].items():
+        assert set(r["per_round_s"]) == {"native", "control", "unified",
+                                         "unified, contract off", "scaler only"}, name
+        for variant, times in r["per_round_s"].items():
+            assert len(times) == 2 and all(t > 0 for t in times), (name, variant)
+            assert math.isfinite(r["final_loss"][variant]), (name, variant)
+        assert set(r["ratio_to_native"]) == set(r["per_round_s"]) - {"native"}
+        for ratio in r["ratio_to_native"].values():
+            assert 0.2 < ratio["median"] < 5.0

@@ -24,7 +24,7 @@ def make(*args: str, **env: str) -> subprocess.CompletedProcess:
                           env=clean, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("target", ["demo", "bench"])
+@pytest.mark.parametrize("target", ["demo", "bench", "cifar"])
 def test_unknown_backend_stops_with_the_librarys_message(target):
     proc = make(target, UNIFIED_AMP_BACKEND="tensorflow")
     assert proc.returncode != 0
@@ -71,3 +71,25 @@ def test_integrations_torch_needs_nothing_of_megengine_and_requires_its_runners(
     # make test's environment is left alone; a runner missing there is an error
     assert "UNIFIED_AMP_REQUIRE_RUNNERS=1" in proc.stdout
     assert ".venv-integrations-$b/bin/python -m pytest tests/integrations" in proc.stdout
+
+
+def test_integrations_run_the_real_models_in_their_own_environment_with_torch_only():
+    # -B: every recipe, as on a clean clone, even where the environments exist already.
+    proc = make("-n", "-B", "test-integrations", "BACKENDS=torch", "PY_MGE=/no/python3.10")
+    assert proc.returncode == 0, proc.stderr
+    assert "-c constraints/integrations-models.txt" in proc.stdout
+    assert ("UNIFIED_AMP_REQUIRE_MODELS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
+            " .venv-integrations-models/bin/python -m pytest"
+            " tests/integrations/test_torch_models.py"
+            " tests/test_bench_smoke.py::test_real_models_benchmark") in proc.stdout
+    assert "for b in torch models;" in proc.stdout  # in the summary
+    proc = make("-n", "-B", "test-integrations", "BACKENDS=megengine")
+    assert proc.returncode == 0, proc.stderr
+    assert "models" not in proc.stdout
+
+
+def test_cifar_runs_the_example_on_the_selected_backend():
+    proc = make("-n", "cifar", "CIFAR_ARGS=--synthetic 100", UNIFIED_AMP_BACKEND="MegEngine")
+    assert proc.returncode == 0, proc.stderr
+    assert ("UNIFIED_AMP_BACKEND=megengine MEGENGINE_LOGGING_LEVEL=ERROR"
+            " .venv-megengine/bin/python -m examples.cifar --synthetic 100") in proc.stdout

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 import unified_amp as amp
-from examples import (apex_style, cnn_classifier, fp32_baseline, frameworks, gan,
-                      grad_accumulation, overflow)
+from examples import (apex_style, cifar, cifar_data, cifar_plot, cnn_classifier,
+                      fp32_baseline, frameworks, gan, grad_accumulation, overflow, resnet)
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline, apex_style, overflow)
+SHARED = (cnn_classifier, gan, grad_accumulation, fp32_baseline, apex_style, overflow,
+          cifar, cifar_data, cifar_plot, resnet)
 # What autocast(dtype=None) means on CPU; float16 on CUDA, where the examples run if
 # the framework sees a GPU.
 CPU_DEFAULT_DTYPE = {"torch": "bfloat16", "megengine": "float16"}
@@ -95,8 +96,9 @@ def test_training_steps_are_written_once_in_framework_free_modules():
              apex_style: [apex_style.generator_step, apex_style.gan_step]}
     for module, fns in steps.items():
         assert all(step.__module__ == module.__name__ for step in fns)
-    # Neither the framework kits nor the fp32 baseline bring a step of their own.
-    for module in (frameworks, fp32_baseline):
+    # Neither the framework kits, the fp32 baseline nor the CIFAR experiment (which
+    # trains with the demo's and apex_style's steps) bring a step of their own.
+    for module in (frameworks, fp32_baseline, cifar, resnet):
         assert not [n for n in vars(module) if "step" in n.lower()], module.__name__
     assert not [n for kit in (frameworks.TorchKit, frameworks.MegEngineKit)
                 for n in vars(kit) if "step" in n.lower()]
@@ -111,7 +113,7 @@ def test_training_steps_are_written_once_in_framework_free_modules():
 
 def test_importing_the_examples_imports_no_framework():
     code = ("import sys, examples.cnn_classifier, examples.gan, examples.grad_accumulation,"
-            " examples.fp32_baseline, examples.apex_style, examples.overflow\n"
+            " examples.fp32_baseline, examples.apex_style, examples.overflow, examples.cifar\n"
             "print(sorted(m for m in ('torch', 'megengine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout

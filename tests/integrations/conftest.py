@@ -4,7 +4,9 @@ its own environments (.venv-integrations-torch, .venv-integrations-megengine), w
 the runners at the versions in constraints/integrations-*.txt; `make test`'s
 environments hold no runner, so there each file whose runner (or framework) is absent
 is not collected. Under `make test-integrations` (UNIFIED_AMP_REQUIRE_RUNNERS=1) an absent
-runner is an error instead: that run must not pass by collecting nothing."""
+runner is an error instead: that run must not pass by collecting nothing. The real models'
+file (torchvision, timm, transformers) runs in .venv-integrations-models, which needs a
+torch of its own, with UNIFIED_AMP_REQUIRE_MODELS=1 making an absent package an error."""
 
 import importlib.util
 import os
@@ -18,6 +20,8 @@ NEEDS = {
     "test_torch_accelerate.py": ("torch", "accelerate"),
     "test_megengine_basecore.py": ("megengine", "basecore"),
 }
+MODEL_NEEDS = {"test_torch_models.py": ("torch", "torchvision", "timm", "transformers")}
+REQUIRED_BY = {"UNIFIED_AMP_REQUIRE_RUNNERS": NEEDS, "UNIFIED_AMP_REQUIRE_MODELS": MODEL_NEEDS}
 
 
 def _missing(modules):
@@ -25,16 +29,18 @@ def _missing(modules):
 
 
 collect_ignore = []
-for _file, _modules in NEEDS.items():
-    _absent = _missing(_modules)
-    if not _absent:
-        continue
-    _framework_here = importlib.util.find_spec(_modules[0]) is not None
-    if os.environ.get("UNIFIED_AMP_REQUIRE_RUNNERS") == "1" and _framework_here:
-        raise RuntimeError(
-            f"tests/integrations/{_file} needs {', '.join(_absent)}, which this environment"
-            " lacks: `make test-integrations` installs the runners (constraints/integrations-*.txt)")
-    collect_ignore.append(_file)
+for _variable, _needs in REQUIRED_BY.items():
+    for _file, _modules in _needs.items():
+        _absent = _missing(_modules)
+        if not _absent:
+            continue
+        _framework_here = importlib.util.find_spec(_modules[0]) is not None
+        if os.environ.get(_variable) == "1" and _framework_here:
+            raise RuntimeError(
+                f"tests/integrations/{_file} needs {', '.join(_absent)}, which this"
+                " environment lacks: `make test-integrations` installs them"
+                " (constraints/integrations-*.txt)")
+        collect_ignore.append(_file)
 
 
 def pytest_configure(config):

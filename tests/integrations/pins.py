@@ -1,4 +1,5 @@
-"""The runner versions this folder is run on: constraints/integrations-*.txt."""
+"""The runner and model-package versions this folder is run on:
+constraints/integrations-*.txt."""
 
 import importlib.metadata
 import pathlib
@@ -6,7 +7,8 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FILES = {"torch": ROOT / "constraints" / "integrations-torch.txt",
-         "megengine": ROOT / "constraints" / "integrations-megengine.txt"}
+         "megengine": ROOT / "constraints" / "integrations-megengine.txt",
+         "models": ROOT / "constraints" / "integrations-models.txt"}
 
 
 def _norm(name):

@@ -1,4 +1,5 @@
-"""The README's "Works with" table names the versions the runner tests run on."""
+"""The README's "Works with" tables name the versions the runner and real-model tests
+run on."""
 
 import re
 
@@ -18,3 +19,13 @@ def test_readme_table_matches_the_constraints_files():
         framework = backend.lower()
         assert pins.pinned(framework).get(pins._norm(distribution)) == version, \
             (distribution, version, framework)
+
+
+def test_readme_real_models_table_matches_the_constraints_file():
+    text = (pins.ROOT / "README.md").read_text()
+    table = text.split("### Real models", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| [^|]+ \| `([\w.-]+)` ([\w.]+):", table, re.M)
+    assert [d for d, _ in rows] == ["torchvision", "timm", "transformers"], rows
+    for distribution, version in rows:
+        assert pins.pinned("models").get(pins._norm(distribution)) == version, \
+            (distribution, version)
