@@ -280,16 +280,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cache = WORK / "uv-cache"
     results, bad = load(), 0
-    for t in torches:
-        for p in pythons:
-            print(f"\n======== {cell_key(t, p)} ========", flush=True)
-            cell = run_cell(t, p, cache, shlex.split(args.pytest_args), args.timeout)
-            results["cells"][cell_key(t, p)] = cell
-            save(results)
-            bad += cell["status"] != "ran" or cell["failed"] + cell["errors"] > 0
-            print(f"-------- {cell_key(t, p)}: {matrix_report.summary(cell)}", flush=True)
-            if not args.keep_cache:
-                prune(cache, everything=p == pythons[-1])
+    # The results and docs are written once, at the end (an interrupted run keeps the
+    # cells it finished): the suite reads them (tests/test_version_matrix.py), and each
+    # cell must see the checkout as it was, not the cells before it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        for t in torches:
+            for p in pythons:
+                print(f"\n======== {cell_key(t, p)} ========", flush=True)
+                cell = run_cell(t, p, cache, shlex.split(args.pytest_args), args.timeout)
+                results["cells"][cell_key(t, p)] = cell
+                bad += cell["status"] != "ran" or cell["failed"] + cell["errors"] > 0
+                print(f"-------- {cell_key(t, p)}: {matrix_report.summary(cell)}", flush=True)
+                if not args.keep_cache:
+                    prune(cache, everything=p == pythons[-1])
+    finally:
+        shutil.rmtree(WORK / "venv", ignore_errors=True)
+        save(results)
     print(f"\n{len(torches) * len(pythons)} cells run; {bad} not green; "
           f"{os.path.relpath(RESULTS, ROOT)} and docs/VERSIONS.md updated")
     return 1 if bad else 0
