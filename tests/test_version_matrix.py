@@ -88,6 +88,9 @@ def test_pytests_report_becomes_counts_and_one_line_reasons(tmp_path):
         def test_errors(broken):
             pass
 
+        def test_a_subprocess_fails():
+            assert False, "          ^^^^^^^^\\n  File x.py, line 3\\nRuntimeError: the cause"
+
         class TestGroup:
             def test_in_a_class(self):
                 pytest.skip("needs a GPU")
@@ -99,12 +102,14 @@ def test_pytests_report_becomes_counts_and_one_line_reasons(tmp_path):
                    cwd=tmp_path, capture_output=True)
     report = vm.parse_junit(junit, root=tmp_path)
     assert {k: report[k] for k in ("passed", "failed", "skipped", "errors")} == {
-        "passed": 2, "failed": 1, "skipped": 2, "errors": 1}
+        "passed": 2, "failed": 2, "skipped": 2, "errors": 1}
     assert report["failures"] == [
         {"id": "test_sample.py::test_fails[2]", "outcome": "failure",
          "reason": "AssertionError: two is not one"},
         {"id": "test_sample.py::test_errors", "outcome": "error",
          "reason": 'failed on setup with "RuntimeError: fixture could not start"'},
+        {"id": "test_sample.py::test_a_subprocess_fails", "outcome": "failure",
+         "reason": "RuntimeError: the cause"},
     ]
     assert report["skips"] == [{"reason": "needs a GPU", "count": 2}]
 

@@ -110,9 +110,8 @@ def parse_junit(path: Path, root: Path = ROOT) -> dict:
         for child in case:
             if child.tag in ("failure", "error"):
                 outcome = "failed" if child.tag == "failure" else "errors"
-                message = (child.get("message") or child.text or "").strip()
                 failures.append({"id": test_id, "outcome": child.tag,
-                                 "reason": _one_line(message)})
+                                 "reason": _reason(child.get("message") or "", child.text or "")})
                 break
             if child.tag == "skipped":
                 outcome = "skipped"
@@ -130,6 +129,22 @@ def _test_id(classname: str, name: str, root: Path) -> str:
         if (root / Path(*parts[:cut])).with_suffix(".py").is_file():
             return "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
     return "::".join([classname, name])
+
+
+# A line that names an exception: "RuntimeError: ...", "torch._dynamo.exc.Unsupported: ...".
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unsupported|Exit|Failed)\b")
+
+
+def _reason(message: str, report: str) -> str:
+    """The first line of pytest's message, unless that says nothing (an assertion whose
+    message is the tail of a subprocess's traceback starts with a line of carets): then
+    the last exception the report's "E" lines name, the one that ended that traceback."""
+    first = _one_line(message or report)
+    if len(re.findall(r"[A-Za-z0-9]", first.partition(": ")[2])) >= 3:
+        return first
+    said = [line[1:].strip() for line in report.splitlines() if line.startswith("E ")]
+    named = [line for line in said if EXCEPTION_LINE.match(line)]
+    return _one_line(named[-1]) if named else first
 
 
 def _one_line(message: str, width: int = 240) -> str:
