@@ -2,7 +2,12 @@
 #   make test                  set up both environments, run the whole suite on both backends,
 #                              and mypy (unified_amp/, backends/, the fake backend)
 #   make test BACKENDS=torch   one backend only (torch needs no CPython 3.10 and no MegEngine)
-#   make test-oldest           the suite on the oldest supported torch (a ~2.5 GB CUDA build)
+#   make test-oldest           the suite on the oldest supported torch, numpy and CPython
+#                              (torch 2.7.1, a CUDA build of ~5 GB installed; CPython 3.10)
+#   make test-matrix           the torch suite on every torch minor of the extra's range x
+#                              CPython 3.10-3.13, one uv venv at a time; writes
+#                              docs/versions.json and docs/VERSIONS.md (MATRIX_TORCH="2.8 2.12"
+#                              MATRIX_PYTHON=3.11: only those cells; the others are kept)
 #   make test-integrations     tests/integrations: the runners (Lightning, Fabric, ignite,
 #                              Enchanter, accelerate; basecore on MegEngine) trained with
 #                              their framework's scaler and with unified_amp's, in
@@ -24,6 +29,8 @@ SHELL := /bin/bash
 PY_TORCH ?= $(shell command -v python3.11 || command -v python3)
 # MegEngine 1.13.0 has wheels for CPython 3.8-3.10 only; pyenv's 3.10 is not on PATH here.
 PY_MGE ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
+# The oldest CPython unified_amp supports, for the oldest torch (make test-oldest).
+PY_OLDEST ?= $(PY_MGE)
 
 ALL_BACKENDS := torch megengine
 # Names are matched as the library matches them: case and surrounding blanks ignored.
@@ -55,6 +62,8 @@ EXTRAS_integrations-torch := torch,test
 EXTRAS_integrations-megengine := megengine,test
 EXTRAS_integrations-models := torch,test
 PYTEST_ARGS ?=
+MATRIX_TORCH ?=
+MATRIX_PYTHON ?=
 BENCH_ARGS ?=
 DEMO_ARGS ?=
 CIFAR_ARGS ?=
@@ -96,7 +105,7 @@ from_base = $(1)/bin/python -c 'import sys, $(2) as m; sys.exit(None if "/$(3)/"
 # logger), when there is no CUDA driver; on a CPU machine they only say it runs on CPU.
 CUDA_STUB_NOISE := ^(info: \+|debug: failed to load cuda func: )
 
-.PHONY: test test-oldest test-integrations demo bench cifar typecheck env-torch env-megengine unknown-backend clean
+.PHONY: test test-oldest test-matrix test-integrations demo bench cifar typecheck env-torch env-megengine unknown-backend clean
 
 $(VENV_torch)/.ready: pyproject.toml constraints/torch.txt
 	@echo ">>> setting up $(VENV_torch) with $(PY_TORCH) (torch and the test tools; about 1.5 min the first time)"
@@ -113,8 +122,10 @@ $(VENV_megengine)/.ready: pyproject.toml constraints/megengine.txt
 	@touch $@
 
 $(VENV_torch-oldest)/.ready: pyproject.toml constraints/torch-oldest.txt
-	@echo ">>> setting up $(VENV_torch-oldest) with $(PY_TORCH) (the oldest supported torch: a CUDA build with ~2.5 GB of nvidia wheels; it runs on CPU too)"
-	$(PY_TORCH) -m venv $(VENV_torch-oldest)
+	@echo ">>> setting up $(VENV_torch-oldest) with $(PY_OLDEST) (the oldest supported torch: a CUDA build, ~5 GB installed with its nvidia wheels; it runs on CPU too)"
+	@test -n "$(PY_OLDEST)" || { echo "CPython 3.10 not found (the oldest unified_amp supports): set PY_OLDEST=/path/to/python3.10"; exit 1; }
+	rm -rf $(VENV_torch-oldest)
+	$(PY_OLDEST) -m venv $(VENV_torch-oldest)
 	@$(call pip_install,$(VENV_torch-oldest),-c constraints/torch-oldest.txt -e ".[$(EXTRAS_torch)]")
 	@touch $@
 
@@ -214,11 +225,17 @@ test-integrations: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS)
 	for b in $(TEST_BACKENDS) $(MODELS_SUITE); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/integrations-$$b.log | tail -1 | tr -d '=')"; done; \
 	exit $$status
 
-# Not part of `make test`: it downloads a CUDA build of torch. Run it when the torch
-# range in pyproject.toml changes, or before a release.
+# Not part of `make test` (it downloads a CUDA build of torch), but CI runs it after
+# make test and removes its environment (.ci/run).
 test-oldest: $(VENV_torch-oldest)/.ready
-	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -c 'import torch, numpy; print(f"torch {torch.__version__}, numpy {numpy.__version__}")'
+	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -c 'import sys, torch, numpy; print(f"torch {torch.__version__}, numpy {numpy.__version__}, CPython {sys.version.split()[0]}")'
 	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Every torch of the range x every CPython torch has wheels for; not in CI (hours, and
+# 5-6 GB of disk at a time). tools/version_matrix.py says how; docs/VERSIONS.md has
+# the last run's table and what a full run costs.
+test-matrix:
+	$(PY_TORCH) tools/version_matrix.py --torch "$(MATRIX_TORCH)" --python "$(MATRIX_PYTHON)" --pytest-args "$(PYTEST_ARGS)"
 
 demo: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
 	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m examples.cnn_classifier --demo --plot demo-output/$(BACKEND)-curves.png $(DEMO_ARGS)
@@ -237,4 +254,4 @@ typecheck: $(VENV_torch)/.ready
 clean:
 	rm -rf $(VENV_torch) $(VENV_megengine) $(VENV_torch-oldest) $(VENV_integrations-torch) \
 	  $(VENV_integrations-megengine) $(VENV_integrations-models) $(LOGDIR) demo-output \
-	  cifar-output .mypy_cache *.egg-info
+	  cifar-output .mypy_cache *.egg-info .matrix

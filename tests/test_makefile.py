@@ -93,3 +93,18 @@ def test_cifar_runs_the_example_on_the_selected_backend():
     assert proc.returncode == 0, proc.stderr
     assert ("UNIFIED_AMP_BACKEND=megengine MEGENGINE_LOGGING_LEVEL=ERROR"
             " .venv-megengine/bin/python -m examples.cifar --synthetic 100") in proc.stdout
+
+
+def test_test_matrix_passes_the_cells_asked_for_to_the_matrix_script():
+    proc = make("-n", "test-matrix", "MATRIX_TORCH=2.8 2.12", "MATRIX_PYTHON=3.11",
+                PYTEST_ARGS="-k compile")
+    assert proc.returncode == 0, proc.stderr
+    assert ('tools/version_matrix.py --torch "2.8 2.12" --python "3.11" --pytest-args '
+            '"-k compile"') in proc.stdout
+
+
+def test_test_oldest_makes_its_environment_with_the_oldest_cpython_and_its_pins():
+    proc = make("-n", "-B", "test-oldest", "PY_OLDEST=/no/python3.10")
+    assert proc.returncode == 0, proc.stderr
+    assert "/no/python3.10 -m venv .venv-torch-oldest" in proc.stdout
+    assert "-c constraints/torch-oldest.txt" in proc.stdout

@@ -51,19 +51,40 @@ def _readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+def _site_dirs() -> list[Path]:
+    """This interpreter's site-packages directories in import order: its own, then any
+    that a .pth file added (an overlay environment sees its base's that way, as
+    `make test-integrations`' environments and tests/README's dev overlays do)."""
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    added = [Path(p) for p in sys.path if Path(p).name == "site-packages"]
+    return [purelib] + [p for p in added if p != purelib and p.is_dir()]
+
+
+def _project(entry: Path) -> str:
+    """The distribution a ``*.dist-info`` directory is the metadata of, normalized."""
+    return re.sub(r"[-_.]+", "-", entry.name.split("-")[0]).lower()
+
+
 def _visible_site_packages(tmp: Path) -> Path:
-    """A directory of links to everything in this interpreter's site-packages except
+    """A directory of links to everything installed for this interpreter except
     unified_amp itself (an editable install here) and .pth files, so that a fresh venv
-    can see the installed frameworks without seeing this checkout."""
+    can see the installed frameworks without seeing this checkout. Where two site
+    directories hold the same package, the one this interpreter imports wins, and pip
+    sees that one distribution only."""
     view = tmp / "site-view"
     view.mkdir()
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    for entry in purelib.iterdir():
-        name = entry.name.lower()
-        if (name.startswith(("unified_amp", "__editable__", "_unified_amp"))
-                or name.endswith(".pth")):
-            continue
-        (view / entry.name).symlink_to(entry)
+    distributions = set()
+    for site_dir in _site_dirs():
+        for entry in sorted(site_dir.iterdir()):
+            name = entry.name.lower()
+            if (name.startswith(("unified_amp", "__editable__", "_unified_amp"))
+                    or name.endswith(".pth") or (view / entry.name).exists()):
+                continue
+            if name.endswith(".dist-info"):
+                if _project(entry) in distributions:
+                    continue
+                distributions.add(_project(entry))
+            (view / entry.name).symlink_to(entry)
     return view
 
 
@@ -107,10 +128,21 @@ def test_wheel_installs_beside_the_framework_already_here_and_runs_the_readme(tm
     version = f"import {framework}; print({framework}.__version__)"
     before = subprocess.run([str(python), "-c", version], capture_output=True, text=True,
                             check=True).stdout
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
-         f"{wheel}[{backend}]"], capture_output=True, text=True)
-    assert install.returncode == 0, install.stdout + install.stderr
+    # --isolated: not this machine's pip configuration either, whose find-links or
+    # extra indexes may offer another build of the framework (a local torch 2.13.0+cpu
+    # once replaced a torch 2.12.1 here); with --no-index, pip can only take what is
+    # installed, or fail.
+    pip = [sys.executable, "-m", "pip", "--isolated", "--python", str(python)]
+    install = subprocess.run([*pip, "install", "--no-index", f"{wheel}[{backend}]"],
+                             capture_output=True, text=True)
+    # pip leaves an installed framework alone only where its own requirements are met
+    # here: torch 2.11 and 2.12 require setuptools<82, so an environment made with a
+    # newer setuptools (constraints/torch.txt's, locked for torch 2.13) cannot keep them.
+    broken = "" if install.returncode == 0 else subprocess.run(
+        [*pip, "check"], capture_output=True, text=True).stdout
+    assert install.returncode == 0, (
+        f"pip could not install the wheel beside what is here; `pip check` says:\n{broken}"
+        f"\n{install.stdout}{install.stderr}")
     installed = re.search(r"Successfully installed (.*)", install.stdout).group(1).split()
     assert [p for p in installed if not re.match(r"unified[-_]amp-", p)] == []
     after = subprocess.run([str(python), "-c", version], capture_output=True, text=True,
