@@ -21,6 +21,13 @@ taken within a round and summarised by their median. Writes
 
 First it measures what the contract's function mode adds to each torch call made inside
 an eager block, and how many such calls a forward of each model makes.
+
+Then the whole step compiled: one ``torch.compile`` (inductor, graph breaks allowed)
+around the forward in its autocast block, ``scaler.scale(loss).backward()``,
+``scaler.step(opt)`` with a foreach SGD, ``scaler.update()`` and ``zero_grad`` -- so
+whatever dynamo compiles of the optimizer's step through the scaler counts. Variants:
+native, a second native copy (the control), unified with the contract off and unified
+with its defaults; ratios to native, round by round.
 """
 
 from __future__ import annotations
@@ -37,7 +44,6 @@ from typing import Any, Callable
 import torch
 
 import unified_amp as amp
-from unified_amp.backends.torch_backend.autocast import TRACEABLE
 
 from .common import SIZES, TARGET, WORKLOADS, lookup
 from .timing import interleaved, round_ratios, spread
@@ -70,7 +76,7 @@ def make_step(kit: Kit, name: str, size: dict[str, int], seed: int, side: str,
             return w.loss(fp32_sensitive)
 
     if compiled:
-        forward = torch.compile(forward, fullgraph=TRACEABLE)
+        forward = torch.compile(forward, fullgraph=True)
 
     def step() -> torch.Tensor:
         loss = forward()
@@ -81,6 +87,60 @@ def make_step(kit: Kit, name: str, size: dict[str, int], seed: int, side: str,
         return loss
 
     return step
+
+
+WHOLE_STEP_SIDES = {  # name -> (autocast factory, scaler factory)
+    "native": (SIDES["native"][0], SIDES["native"][1]),
+    "control (native again)": (SIDES["native"][0], SIDES["native"][1]),
+    "unified, contract off": (SIDES["unified, contract off"][0], SIDES["unified"][1]),
+    "unified": (SIDES["unified"][0], SIDES["unified"][1]),
+}
+
+
+def make_whole_step(kit: Kit, name: str, size: dict[str, int], seed: int, side: str
+                    ) -> Callable[[], torch.Tensor]:
+    """The whole training step of a fresh copy of ``name``, compiled, on ``side``."""
+    autocast, scaler_of = WHOLE_STEP_SIDES[side]
+    w = kit.build(name, size, seed)
+    scaler = scaler_of(kit.device)
+    opt = torch.optim.SGD(w.params, lr=0.01, momentum=0.9, foreach=True)
+
+    @torch.compile
+    def step() -> torch.Tensor:
+        with autocast(kit.device):
+            loss = w.loss(False)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def run_whole_step(kit: Kit, name: str, size: dict[str, int], args: argparse.Namespace
+                   ) -> dict[str, Any]:
+    variants: dict[str, Callable[[], Any]] = {}
+    compile_s: dict[str, float] = {}
+    for side in WHOLE_STEP_SIDES:
+        variants[side] = make_whole_step(kit, name, size, args.seed, side)
+        t0 = time.perf_counter()
+        kit.read(variants[side]())
+        compile_s[side] = round(time.perf_counter() - t0, 2)
+
+    class _Quiet:
+        def update(self, n: int) -> None:
+            pass
+
+    times = interleaved(variants, kit, warmup=args.warmup, rounds=args.rounds,
+                        steps=args.steps, progress=_Quiet())
+    return {"size": size, "optimizer": "SGD(momentum=0.9, foreach=True)",
+            "step_ms_median": {k: round(1e3 * spread(v["per_round"])["median"], 3)
+                               for k, v in times.items()},
+            "first_call_s (compiles)": compile_s,
+            "ratios": {f"{side} / native": summary(round_ratios(times, side, "native"))
+                       for side in WHOLE_STEP_SIDES if side != "native"},
+            "per_round_s": {k: v["per_round"] for k, v in times.items()}}
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -204,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                else argv),
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": kit.device, "threads_note": note,
-        "dtype": DTYPE, "target_unified_over_native": TARGET, "fullgraph": TRACEABLE,
+        "dtype": DTYPE, "target_unified_over_native": TARGET, "fullgraph": True,
         "schedule": {"warmup": args.warmup, "rounds": args.rounds, "steps": args.steps},
         "workloads": {}}
     cost = out["contract_mode_cost"] = mode_cost(kit, args)
@@ -225,6 +285,16 @@ def main(argv: list[str] | None = None) -> int:
         v = res["unified speedup / native speedup"]
         print(f"  unified speedup / native speedup             median {v['median']:.4f}"
               f"  [q1 {v['q1']:.4f}, q3 {v['q3']:.4f}]")
+    out["whole_step_compiled"] = {}
+    for name in args.workloads.split(","):
+        size = lookup(SIZES, "torch", kit.device, mode)[name]
+        res = run_whole_step(kit, name, size, args)
+        out["whole_step_compiled"][name] = res
+        print(f"\n{name}: the whole step compiled ({res['optimizer']})")
+        for k, v in res["step_ms_median"].items():
+            print(f"  {k:40s} {v:10.3f} ms/step (median)")
+        for k, v in res["ratios"].items():
+            print(f"  {k:48s} median {v['median']:.4f}  [q1 {v['q1']:.4f}, q3 {v['q3']:.4f}]")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"torch-{kit.device}-compile{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")

@@ -36,6 +36,7 @@ import sys
 import textwrap
 import types
 from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 
@@ -203,18 +204,9 @@ def _stepped(ns: dict) -> None:
     assert ns["scaler"].stats()["steps"] >= 1
 
 
-def _traceable_autocast() -> bool:
-    from unified_amp.backends.torch_backend import autocast as torch_autocast
-
-    return bool(torch_autocast.TRACEABLE)
-
-
-# name -> (whether it holds here, the error a block needing it raises where it does not)
-NEEDS = {
-    # COMPILE.md: where dynamo does not record autocast's state switches (torch 2.7 and
-    # 2.11 do not, 2.13 does), fullgraph=True refuses an amp.autocast block.
-    "traceable_autocast": (_traceable_autocast, "torch._dynamo.exc.Unsupported"),
-}
+# name -> (whether it holds here, the error a block needing it raises where it does not).
+# None today: every block runs on every torch and backend it names.
+NEEDS: dict[str, tuple[Callable[[], bool], str]] = {}
 
 THEN = {"trains": _trains, "compiled_calls": _compiled_calls,
         "traced_steps": _traced_steps, "stepped": _stepped}

@@ -27,6 +27,7 @@ from .cast_registry import (
 )
 from .errors import (
     BackendUnavailableError,
+    CompileWarning,
     TensorTypeError,
     UnifiedAmpError,
     UnknownBackendError,
@@ -81,4 +82,5 @@ __all__ = [
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
     "TensorTypeError",
+    "CompileWarning",
 ]

@@ -211,21 +211,34 @@ def _load(name: str) -> "Backend":
 
 def get_backend() -> "Backend":
     """The active adapter (``.name`` is "torch" or "megengine"), made on first use."""
+    global _active
     active = _active
     if active is not _NONE:
         return active
-    return _instances[_activate()]
+    # The name is looked up after the call that fills _instances (dynamo, where the
+    # first use is traced, reads a global when the name is loaded), and _active is set
+    # here rather than inside _activate, which dynamo runs for real while tracing: as a
+    # store it traces, the change takes effect when the compiled code runs, not under
+    # the guard dynamo has just made on reading _active (torch <= 2.10 checks that guard
+    # at once, and raised).
+    name = _activate()
+    active = _active = _instances[name]
+    return active
+
+
+def loaded_backend() -> "Backend | None":
+    """The active adapter if one has been made already, else None (loads nothing)."""
+    active = _active
+    return None if active is _NONE else active
 
 
 def _activate() -> str:
     """Picks and loads the adapter, once per process (or after ``set_backend``); returns
     its key in ``_instances``."""
-    global _active
     with _lock:
         name = _resolve_name()
         if name not in _instances:
             _instances[name] = _load(name)
-        _active = _instances[name]
         return name
 
 

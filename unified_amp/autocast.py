@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 from typing import Any, Callable, TypeVar, cast, overload
 
 from .interface import LOW_PRECISION
-from ._registry import get_backend
+from ._registry import get_backend, loaded_backend
 
 __all__ = ["autocast", "is_autocast_enabled"]
 
@@ -18,20 +17,23 @@ _DEVICES = ("cpu", "cuda")
 _ALIASES = {"float16": "float16", "half": "float16", "fp16": "float16",
             "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
-# The call forms users bring with them (see autocast's docstring), as signatures to bind.
+# The call forms users bring with them (see autocast's docstring). Python binds the
+# arguments (fast, and traced by dynamo as plain calls, where inspect.Signature.bind was
+# traced line by line); the signatures are also what inspect.signature(autocast) shows.
 def _unified_form(enabled: bool = True, dtype: Any = None, *, device: Any = None,
                   contract: bool = True, low_prec_dtype: Any = None,
-                  high_prec_dtype: Any = "float32", cache_enabled: bool | None = None) -> None:
-    pass
+                  high_prec_dtype: Any = "float32", cache_enabled: bool | None = None
+                  ) -> tuple[bool, Any, Any, bool, Any, Any]:
+    return enabled, dtype, device, contract, low_prec_dtype, high_prec_dtype
 
 
 def _torch_form(device_type: str, dtype: Any = None, enabled: bool = True,
-                cache_enabled: bool | None = None, *, contract: bool = True) -> None:
-    pass
+                cache_enabled: bool | None = None, *, contract: bool = True
+                ) -> tuple[bool, Any, Any, bool, Any, Any]:
+    return enabled, dtype, device_type, contract, None, "float32"
 
 
-_UNIFIED_SIG = inspect.signature(_unified_form)
-_TORCH_SIG = inspect.signature(_torch_form)
+_UNIFIED_SIG = inspect.signature(_unified_form).replace(return_annotation=inspect.Signature.empty)
 
 
 def _normalize_dtype(dtype: Any, argname: str = "dtype") -> str | None:
@@ -54,12 +56,33 @@ def _normalize_dtype(dtype: Any, argname: str = "dtype") -> str | None:
     return name
 
 
+# torch spells devices "cuda:0", MegEngine "gpu0", "cpu0", "xpux" (its default).
+_DEVICE_KINDS = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "xpu": None}
+
+
+def _device_kind(text: str) -> str | None | bool:
+    """"cpu" / "cuda" / None (every device) for a device spelling, False if it is none.
+
+    String methods only: a regular expression would be compiled inside dynamo's trace
+    on a cache miss, which some torch versions cannot trace.
+    """
+    name, colon, index = text.partition(":")
+    if colon and not (index.isdigit() and index.isascii()):
+        return False
+    kind = name.rstrip("0123456789")
+    number = name[len(kind):]
+    if not number and kind.endswith("x") and kind[:-1] in _DEVICE_KINDS:
+        kind, number = kind[:-1], "x"  # MegEngine's "xpux", "cpux", "gpux"
+    if kind not in _DEVICE_KINDS:
+        return False
+    return _DEVICE_KINDS[kind]
+
+
 def _normalize_device(device: Any) -> str | None:
     if device is None:
         return None
-    # torch spells devices "cuda:0", MegEngine "gpu0", "cpu0", "xpux" (its default).
-    match = re.fullmatch(r"(cpu|cuda|gpu|xpu)(\d+|x)?(:\d+)?", str(device).strip().lower())
-    if match is None:
+    kind = _device_kind(str(device).strip().lower())
+    if kind is False:
         hint = ""
         if isinstance(device, str) and device.strip().lower() in _ALIASES:
             hint = (f" {device!r} is a dtype: the first positional argument of autocast is"
@@ -68,13 +91,13 @@ def _normalize_device(device: Any) -> str | None:
             f"autocast device must be 'cpu', 'cuda' or None (every device); got"
             f" {device!r}.{hint}"
         )
-    return {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "xpu": None}[match.group(1)]
+    return kind  # type: ignore[return-value]
 
 
-def _bind(args: tuple, kwargs: dict) -> tuple[bool, dict[str, Any]]:
+def _bind(args: tuple, kwargs: dict) -> tuple[bool, Any, Any, bool, Any, Any]:
     torch_form = (bool(args) and isinstance(args[0], str)) or "device_type" in kwargs
     try:
-        bound = (_TORCH_SIG if torch_form else _UNIFIED_SIG).bind(*args, **kwargs)
+        return (_torch_form if torch_form else _unified_form)(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(
             f"autocast(): {exc}. Its call forms: autocast(enabled=True, dtype=None, *,"
@@ -82,8 +105,6 @@ def _bind(args: tuple, kwargs: dict) -> tuple[bool, dict[str, Any]]:
             f" enabled=True, cache_enabled=None) and megengine.amp's"
             f" autocast(enabled=True, low_prec_dtype=..., high_prec_dtype='float32')."
         ) from None
-    bound.apply_defaults()
-    return torch_form, dict(bound.arguments)
 
 
 class autocast:
@@ -119,40 +140,56 @@ class autocast:
     __signature__ = _UNIFIED_SIG
 
     @overload
-    def __init__(self, enabled: bool = True, dtype: Any = None, *, device: Any = None,
-                 contract: bool = True, low_prec_dtype: Any = None,
-                 high_prec_dtype: Any = "float32", cache_enabled: bool | None = None
-                 ) -> None: ...
+    def __new__(cls, enabled: bool = True, dtype: Any = None, *, device: Any = None,
+                contract: bool = True, low_prec_dtype: Any = None,
+                high_prec_dtype: Any = "float32", cache_enabled: bool | None = None
+                ) -> "autocast": ...
 
     @overload
-    def __init__(self, device_type: str, dtype: Any = None, enabled: bool = True,
-                 cache_enabled: bool | None = None, *, contract: bool = True) -> None: ...
+    def __new__(cls, device_type: str, dtype: Any = None, enabled: bool = True,
+                cache_enabled: bool | None = None, *, contract: bool = True) -> "autocast": ...
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "autocast":
+        self = super().__new__(cls)
+        self._configure(*args, **kwargs)
+        # A backend may stand its own context manager in for the block (torch does while
+        # dynamo traces a block that is exactly one torch.autocast: dynamo splits the
+        # graph at a break inside that, and at none inside a class of ours). Only one
+        # already loaded is asked: making a block loads no framework.
+        backend = loaded_backend()
+        native = None if backend is None else backend.native_autocast(
+            self.enabled, self.dtype, self.device, self.contract)
+        if native is None:
+            return self
+        if self.enabled:
+            backend.check_precision(self.dtype, self.device)
+        return cast("autocast", native)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        torch_form, a = _bind(args, kwargs)
-        if torch_form:  # torch.autocast(device_type, dtype, enabled, cache_enabled)
-            enabled, dtype, device = a["enabled"], a["dtype"], a["device_type"]
-        else:
-            enabled, device = a["enabled"], a["device"]
-            if a["dtype"] is not None and a["low_prec_dtype"] is not None:
+        pass  # __new__ did the work: it may return another object than this class's
+
+    def _configure(self, *args: Any, **kwargs: Any) -> None:
+        enabled, dtype, device, contract, low_prec_dtype, high_prec_dtype = _bind(args, kwargs)
+        if low_prec_dtype is not None:
+            if dtype is not None:
                 raise TypeError(
                     "autocast got both dtype and low_prec_dtype (its MegEngine spelling);"
                     " pass only one."
                 )
-            dtype = a["dtype"] if a["dtype"] is not None else a["low_prec_dtype"]
-            if a["high_prec_dtype"] not in ("float32", None):
-                raise ValueError(
-                    f"autocast high_prec_dtype must be 'float32' (the only high precision"
-                    f" both frameworks compute); got {a['high_prec_dtype']!r}."
-                )
+            dtype = low_prec_dtype
+        if high_prec_dtype not in ("float32", None):
+            raise ValueError(
+                f"autocast high_prec_dtype must be 'float32' (the only high precision"
+                f" both frameworks compute); got {high_prec_dtype!r}."
+            )
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast enabled must be a bool; got {enabled!r}.")
-        if not isinstance(a["contract"], bool):
-            raise TypeError(f"autocast contract must be a bool; got {a['contract']!r}.")
+        if not isinstance(contract, bool):
+            raise TypeError(f"autocast contract must be a bool; got {contract!r}.")
         self.enabled = enabled
         self.dtype = _normalize_dtype(dtype)
         self.device = _normalize_device(device)
-        self.contract = a["contract"]
+        self.contract = contract
         self._tokens: list[Any] = []  # a stack, so one instance may be entered re-entrantly
 
     def __enter__(self) -> "autocast":

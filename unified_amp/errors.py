@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
     "TensorTypeError",
+    "CompileWarning",
 ]
 
 
@@ -68,3 +69,10 @@ class TensorTypeError(UnifiedAmpError, TypeError, ValueError):
     what to pass instead. A ``TypeError`` (what either framework raises for a
     non-tensor) and a ``ValueError`` (what torch.amp's ``GradScaler.scale()`` raises).
     """
+
+
+class CompileWarning(UserWarning):
+    """Compiled code that runs part of its work eagerly because of an ``amp.autocast``
+    block: dynamo gave up on the function holding the block (a graph break inside it)
+    and runs that function eagerly, compiling only the functions it calls. Said once per
+    function, with the torch version and the fix (docs/COMPILE.md)."""

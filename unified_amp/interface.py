@@ -69,6 +69,15 @@ class Autocasting(Protocol):
         """Raises UnsupportedPrecisionError if ``dtype`` cannot be computed on ``device``
         (None: every device autocast would touch)."""
 
+    def native_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                        contract: bool) -> Any:
+        """The framework's own context manager to stand for this block, or None.
+
+        Asked when an ``amp.autocast`` is made; where it answers, ``amp.autocast(...)``
+        returns that object. torch answers while dynamo traces a block that is exactly
+        one ``torch.autocast``, so that a graph break splits there as in torch.autocast.
+        """
+
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
                        contract: bool = True) -> Any:
         """Switches autocast on or off; returns a token that restores the outer state.

@@ -166,6 +166,10 @@ class Autocasting(interface.Autocasting):
                 " asynchronously. Use dtype='float16' (or None) with MegEngine on CPU."
             )
 
+    def native_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                        contract: bool) -> Any:
+        return None  # megengine.jit.trace replays what the block does; it needs no stand-in
+
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
                        contract: bool = True) -> Any:
         if enabled and contract:

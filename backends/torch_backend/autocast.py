@@ -1,5 +1,5 @@
 """Autocasting: torch.autocast per device, and the dtype contract, both in a form that
-``torch.compile`` traces (docs/COMPILE.md).
+``torch.compile`` traces on every torch the extra admits (docs/COMPILE.md).
 
 The contract is a ``TorchFunctionMode`` on torch's function-mode stack rather than a
 Python flag read inside dispatcher kernels. Dynamo guards on that stack and inlines the
@@ -8,18 +8,40 @@ graph: a graph traced with the contract differs from one traced without it, in d
 cache and in AOTAutograd's and inductor's (also on disk), and plain ``torch.autocast``
 never meets the contract. Eagerly the mode does the same casts, so eager and compiled
 code agree.
+
+A block has three forms, picked when it is made or entered:
+
+- eagerly, autocast's state is switched directly (what ``torch.autocast.__enter__``
+  does, without building one per device) and the mode pushed;
+- while dynamo traces, a generator of ``with torch.autocast(...)`` statements and the
+  mode, which dynamo 2.7-2.14 records as torch.autocast's own ``_enter_autocast`` /
+  ``_exit_autocast`` nodes;
+- while dynamo traces a block that is one ``torch.autocast`` and nothing else (one
+  device, no contract to push or pop), on a dynamo that knows the type of such an
+  object (torch >= 2.12), ``amp.autocast(...)`` *is* that ``torch.autocast``, so a graph
+  break inside it splits the graph as it does inside ``torch.autocast``.
+
+A graph break inside any other block makes dynamo give up on the frame that holds it
+(a user-defined context manager cannot be resumed): the frame runs eagerly, and the
+functions it calls are compiled on their own, with the block's state in force. That
+is correct but slower, so it is said once (:class:`unified_amp.CompileWarning`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import inspect
+import sys
+import warnings
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from unified_amp import interface
-from unified_amp.errors import UnsupportedPrecisionError
+from unified_amp.autocast import autocast as amp_autocast
+from unified_amp.errors import CompileWarning, UnsupportedPrecisionError
 
 from .basics import DTYPES, LOW, default_dtype, devices
 
@@ -109,119 +131,233 @@ def _cuda_lacking_bfloat16() -> str:
     return "" if torch.cuda.is_bf16_supported() else torch.cuda.get_device_name()
 
 
-class _Autocast(torch.amp.autocast_mode.autocast):
-    """``torch.autocast``, under a name dynamo does not special-case.
-
-    Dynamo traces ``torch.autocast`` only as the subject of a ``with`` statement; the
-    unified block enters and exits in two calls, so it enters this subclass, whose
-    ``__enter__``/``__exit__`` (torch's own) dynamo inlines into the autocast state
-    switches it tracks.
-    """
-
-    def __init__(self, device_type: str, dtype: torch.dtype, enabled: bool) -> None:
-        if device_type == "cuda" and enabled and torch.compiler.is_compiling():
-            # torch's constructor asks CUDA whether autocast can run there and whether it
-            # computes bfloat16; dynamo inlines it and cannot trace either question (see
-            # _cuda_lacking_bfloat16), so on a GPU machine the block would break the
-            # graph. check_precision has answered both, traceably: built while tracing as
-            # a CPU block (which asks nothing of CUDA; the same two dtypes are valid
-            # there), then pointed at CUDA. Eagerly, torch's constructor runs as is.
-            super().__init__("cpu", dtype=dtype, enabled=enabled)
-            self.device = device_type
-        else:
-            super().__init__(device_type, dtype=dtype, enabled=enabled)
-
-
 def _top_is_contract() -> bool:
     n = torch._C._len_torch_function_stack()
     return n > 0 and isinstance(torch._C._get_function_stack_at(n - 1), ContractMode)
 
 
-def _enter(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
-           contract: bool) -> tuple[list[Any], str]:
-    """Enters torch's autocast on each device, then sets the contract for the block.
-
-    Returns the token ``_exit`` takes: the autocast contexts and what was done to the
-    mode stack ("pushed", "popped" or "").
-    """
-    contexts = []
-    for dev, dtype in zip(devs, dtypes):
-        ctx = _Autocast(dev, dtype=dtype, enabled=enabled)
-        ctx.__enter__()
-        contexts.append(ctx)
+def _contract_action(enabled: bool, contract: bool) -> str:
+    """What a block does to the mode stack: "push" the contract, "pop" it for a nested
+    block without it, or nothing."""
     want = enabled and contract
-    action = ""
-    if want and not _top_is_contract():
-        torch._C._push_on_torch_function_stack(CONTRACT)
-        action = "pushed"
-    elif not want and _top_is_contract():
-        # A block that turns the contract off inside one that has it.
-        torch._C._pop_torch_function_stack()
-        action = "popped"
-    return contexts, action
+    top = _top_is_contract()
+    return "push" if want and not top else "pop" if top and not want else ""
 
 
-def _exit(token: tuple[list[Any], str]) -> None:
-    """Undoes ``_enter``: the mode stack first, then autocast, innermost first."""
-    contexts, action = token
-    lost = [ctx.device for ctx in contexts
-            if torch.is_autocast_enabled(ctx.device) != ctx._enabled
-            or (ctx._enabled and torch.get_autocast_dtype(ctx.device) != ctx.fast_dtype)]
-    if action == "pushed" and _top_is_contract():
-        torch._C._pop_torch_function_stack()
-    elif action == "popped":
-        torch._C._push_on_torch_function_stack(CONTRACT)
-    if not lost:
-        for ctx in reversed(contexts):
-            ctx.__exit__(None, None, None)
-    else:  # their entry never took effect here: exiting would unbalance torch's nesting
-        # Dynamo ran the entries inside a graph of their own and never their exits: take
-        # back the nesting they left (never below zero), or torch would not clear its
-        # weight-cast cache at the end of any later autocast block in this process.
-        current = torch.autocast_increment_nesting() - 1
-        torch.autocast_decrement_nesting()
-        for _ in range(min(2 * len(contexts), current)):
-            torch.autocast_decrement_nesting()
-        torch.clear_autocast_cache()  # no weight cast made in the broken block is reused
-        # What a graph break inside the block does under torch.compile: dynamo compiles
-        # the block's entry into a graph of its own, whose autocast switches AOTAutograd
-        # drops, and resumes the body without autocast. Say so before the body's results
-        # can reach a backward or an optimizer.
-        raise RuntimeError(
-            f"amp.autocast was not in force on {', '.join(lost)} when its block ended:"
-            f" under torch.compile this is a graph break inside the amp.autocast block,"
-            f" which dynamo cannot resume inside a user-defined context manager, or an"
-            f" amp.autocast object made outside the compiled function and entered inside"
-            f" it. Move what breaks the graph (print, .item(), an unsupported call) out of"
-            f" the block (compile with fullgraph=True to find it); make the amp.autocast"
-            f" object inside the compiled function, or use it as a decorator; or enter the"
-            f" block outside the compiled function (docs/COMPILE.md).")
+# -- a block as dynamo traces it ----------------------------------------------------------
+
+@contextlib.contextmanager
+def _contract_popped() -> Iterator[None]:
+    """The contract taken off the mode stack for a nested block, and put back after."""
+    torch._C._pop_torch_function_stack()
+    yield
+    torch._C._push_on_torch_function_stack(CONTRACT)
 
 
-def _dynamo_traces_autocast_switches() -> bool:
-    """Whether dynamo records torch's autocast state switches as graph operations.
+@contextlib.contextmanager
+def _contract_as(action: str) -> Iterator[None]:
+    if action == "push":
+        with CONTRACT:
+            yield
+    elif action == "pop":
+        with _contract_popped():
+            yield
+    else:
+        yield
 
-    Torch added that in "[dynamo] Support tracing _enter_autocast and _exit_autocast"
-    (pytorch#173877, after 2.7); before it dynamo skips ``autocast_increment_nesting``
-    and a block entered in two calls cannot be traced (torch 2.7 fails or crashes in
-    dynamo). There the block's entry and exit run eagerly instead: dynamo breaks the
-    graph at them and compiles the body's calls with autocast and the contract already
-    in force, which it guards on.
+
+@contextlib.contextmanager
+def _traced_block(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
+                  action: str) -> Iterator[None]:
+    """The block inside a function dynamo compiles: ``with torch.autocast(...)``
+    statements and the contract's mode, in a generator.
+
+    dynamo traces a generator context manager entered in one call and left in another
+    (every torch from 2.7 on), and inside it it meets ``torch.autocast`` as the subject
+    of a ``with`` statement, which it records as the ``_enter_autocast`` /
+    ``_exit_autocast`` nodes torch.autocast's own blocks give; the mode's entry is the
+    mode-stack push it guards on. At most two devices (CPU and CUDA), spelled out: a
+    loop over an ExitStack would not be traced whole.
     """
-    try:
-        from torch._dynamo import trace_rules
-        from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+    with torch.autocast(devs[0], dtype=dtypes[0], enabled=enabled):
+        if len(devs) == 1:
+            with _contract_as(action):
+                yield
+        else:
+            with torch.autocast(devs[1], dtype=dtypes[1], enabled=enabled):
+                with _contract_as(action):
+                    yield
 
-        return trace_rules.lookup(torch.autocast_increment_nesting) is TorchInGraphFunctionVariable
-    except Exception:  # dynamo's internals moved: take the safe, eager path
+
+class _TracedBlock:
+    """Holds a traced block's generator. Handed back from a function as it is, a
+    generator context manager makes dynamo 2.7-2.10 fail when a graph break has it
+    rebuild the frame's values; an object holding one it can rebuild."""
+
+    def __init__(self, devs: list[str], dtypes: list[torch.dtype], enabled: bool,
+                 action: str) -> None:
+        self.block = _traced_block(devs, dtypes, enabled, action)
+        self.block.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.block.__exit__(None, None, None)
+
+
+# -- a block run eagerly ------------------------------------------------------------------
+
+class _EagerBlock:
+    """torch.autocast's entry and exit for each device, switched directly, and the
+    contract's mode.
+
+    torch.autocast builds an object per device and asks CUDA whether it may run there;
+    ``check_precision`` has asked that already, so a block switches the thread's autocast
+    state as ``torch.autocast.__enter__`` / ``__exit__`` do, and nothing else. Where a
+    torch function mode is in force (torch.export's pre-dispatch mode records autocast
+    regions through one, and nested blocks run under the contract's), it enters real
+    ``torch.autocast`` objects, so such modes see what they expect.
+    """
+
+    __slots__ = ("devs", "dtypes", "enabled", "action", "saved", "contexts")
+
+    def __init__(self, devs: list[str], dtypes: list[torch.dtype], enabled: bool,
+                 action: str) -> None:
+        self.devs, self.dtypes, self.enabled, self.action = devs, dtypes, enabled, action
+        self.saved: list[tuple[bool, torch.dtype]] = []
+        self.contexts: list[Any] = []
+
+    def __enter__(self) -> None:
+        if torch._C._is_torch_function_mode_enabled():
+            self.contexts = [torch.autocast(dev, dtype=dtype, enabled=self.enabled)
+                             for dev, dtype in zip(self.devs, self.dtypes)]
+            for ctx in self.contexts:
+                ctx.__enter__()
+        else:
+            for dev, dtype in zip(self.devs, self.dtypes):
+                self.saved.append((torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+                torch.set_autocast_enabled(dev, self.enabled)
+                torch.set_autocast_dtype(dev, dtype)
+                torch.autocast_increment_nesting()
+        if self.action == "push":
+            torch._C._push_on_torch_function_stack(CONTRACT)
+        elif self.action == "pop":
+            torch._C._pop_torch_function_stack()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.action == "push":
+            torch._C._pop_torch_function_stack()
+        elif self.action == "pop":
+            torch._C._push_on_torch_function_stack(CONTRACT)
+        if self.contexts:
+            for ctx in reversed(self.contexts):
+                ctx.__exit__(None, None, None)
+            return
+        for dev, (enabled, dtype) in zip(reversed(self.devs), reversed(self.saved)):
+            # torch.autocast's exit: the weight-cast cache lives until the outermost
+            # block of the thread ends.
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+            torch.set_autocast_enabled(dev, enabled)
+            torch.set_autocast_dtype(dev, dtype)
+
+
+@torch.compiler.disable
+def _exit_eagerly(block: _EagerBlock) -> None:
+    """A block entered eagerly and left in compiled code (dynamo resumed inside it):
+    torch.autocast objects made eagerly cannot be left in a trace."""
+    block.__exit__()
+
+
+# -- blocks dynamo gave up on ---------------------------------------------------------------
+
+# Code objects of functions whose trace entered a block and never left it: dynamo gave
+# up on the frame (a graph break inside the block) and is about to run it eagerly.
+_abandoned: set[Any] = set()
+_warned: set[Any] = set()
+
+
+def _traced_frame_code() -> Any:
+    """The code dynamo is compiling (its root frame), asked while it traces."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # dynamo's internals moved: no warning rather than a failure
+        return None
+
+
+def _trace_entered() -> None:
+    code = _traced_frame_code()
+    if code is not None:
+        _abandoned.add(code)
+
+
+def _trace_left() -> None:
+    _abandoned.discard(_traced_frame_code())
+
+
+# dynamo runs these as they are while it traces (the marker torch.compiler.
+# assume_constant_result sets), instead of tracing them: they note a fact of the trace.
+_trace_entered._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_trace_left._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _warn_if_dynamo_gave_up(frame: Any) -> None:
+    """Warns once per function when a block that dynamo traced is entered eagerly after
+    all, inside a compiled call."""
+    code = frame.f_code
+    _abandoned.discard(code)
+    if code in _warned or code.co_name == "wrapper" and code.co_filename == _DECORATOR_FILE:
+        return  # the decorator's own frame holds nothing but the call it wraps
+    outer = frame.f_back
+    while outer is not None and outer.f_code.co_filename != _EVAL_FRAME_FILE:
+        outer = outer.f_back
+    if outer is None:  # not inside a compiled call: dynamo's trace failed and raised
+        return
+    _warned.add(code)
+    warnings.warn(
+        f"amp.autocast: a graph break inside the amp.autocast block in"
+        f" {code.co_name} ({code.co_filename}:{frame.f_lineno}) made torch.compile give"
+        f" up on that function (torch {torch.__version__}): it runs eagerly, and only the"
+        f" functions it calls are compiled, with the block's autocast state and contract"
+        f" in force. For graph pieces as torch.autocast gives: move the body into a"
+        f" function decorated with @amp.autocast(...), which splits at the break on every"
+        f" torch; or, on one device without the contract and torch >= 2.12, use"
+        f" amp.autocast(..., contract=False), which is torch.autocast there; or remove"
+        f" the break (torch.compile(fullgraph=True) names it). docs/COMPILE.md, 'Graph"
+        f" breaks'.", CompileWarning, stacklevel=4)
+
+
+def _dynamo_types_autocast_objects() -> bool:
+    """Whether dynamo knows the Python type of a torch.autocast object it made while
+    tracing (torch >= 2.12). It needs to, where ``amp.autocast(...)`` returns one: a
+    class whose ``__new__`` returns another object is followed by an ``isinstance`` check
+    that older dynamos cannot answer, and fail."""
+    try:
+        from torch._dynamo.variables.ctx_manager import AutocastModeVariable
+
+        return "python_type" in vars(AutocastModeVariable)
+    except Exception:  # dynamo's internals moved: keep to the generator form
         return False
 
 
-#: Whether ``amp.autocast`` traces whole under ``torch.compile(fullgraph=True)``; read
-#: at each entry (dynamo guards on it), so a test can take the other path.
-TRACEABLE = _dynamo_traces_autocast_switches()
-_enter_eagerly = torch.compiler.disable(_enter)
-_exit_eagerly = torch.compiler.disable(_exit)
+_NATIVE = _dynamo_types_autocast_objects()
+
+
+def _made_for_a_with_statement() -> bool:
+    """Whether the frame dynamo compiles enters what it is making at once, in a ``with``
+    statement (its next instruction), rather than keeping it: a torch.autocast object
+    is entered once, while an ``amp.autocast`` object may be entered again, nested in
+    itself. Asked while dynamo traces; anything unexpected answers no."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return tx.instructions[tx.instruction_pointer].opname in ("BEFORE_WITH", "SETUP_WITH")
+    except Exception:
+        return False
+
+
+_made_for_a_with_statement._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class Autocasting(interface.Autocasting):
@@ -242,15 +378,38 @@ class Autocasting(interface.Autocasting):
                     f" ({lacking}); use dtype='float16'."
                 )
 
+    def native_autocast(self, enabled: bool, dtype: str | None, device: str | None,
+                        contract: bool) -> Any:
+        if not (_NATIVE and torch.compiler.is_compiling()):
+            return None
+        devs = devices(device)
+        if len(devs) != 1 or _contract_action(enabled, contract) or not _made_for_a_with_statement():
+            return None
+        return torch.autocast(devs[0], dtype=DTYPES[dtype or default_dtype(devs[0])],
+                              enabled=enabled)
+
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
                        contract: bool = True) -> Any:
         devs = devices(device)
-        enter = _enter if TRACEABLE else _enter_eagerly
-        return enter(devs, [DTYPES[dtype or default_dtype(dev)] for dev in devs], enabled,
-                     contract)
+        dtypes = [DTYPES[dtype or default_dtype(dev)] for dev in devs]
+        action = _contract_action(enabled, contract)
+        if torch.compiler.is_compiling():
+            _trace_entered()
+            return _TracedBlock(devs, dtypes, enabled, action)
+        if _abandoned:
+            _warn_if_dynamo_gave_up(sys._getframe(2))
+        block = _EagerBlock(devs, dtypes, enabled, action)
+        block.__enter__()
+        return block
 
     def exit_autocast(self, token: Any) -> None:
-        (_exit if TRACEABLE else _exit_eagerly)(token)
+        if isinstance(token, _TracedBlock):
+            token.__exit__()
+            _trace_left()
+        elif torch.compiler.is_compiling():
+            _exit_eagerly(token)
+        else:
+            token.__exit__()
 
     def is_autocast_enabled(self) -> bool:
         return any(torch.is_autocast_enabled(dev) for dev in devices(None))
@@ -259,3 +418,26 @@ class Autocasting(interface.Autocasting):
         if not torch.is_autocast_enabled(device):
             return None
         return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+
+
+def _never_a_frame_of_its_own(*functions: Any) -> None:
+    """Makes dynamo run these functions, and all they call, as they are whenever they are
+    called from code that runs eagerly inside a compiled call (a frame dynamo gave up on
+    after a graph break inside a block); compiled code still inlines them.
+
+    Compiled as frames of their own, a block's entry would switch autocast on inside a
+    graph of its own, whose switches AOTAutograd drops, and its exit would meet
+    torch.autocast objects made eagerly, which dynamo cannot leave (torch 2.14), or a
+    traced block it cannot rebuild (torch 2.7-2.10).
+    """
+    from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for fn in functions:
+        set_code_exec_strategy(fn.__code__, skip)
+
+
+_never_a_frame_of_its_own(amp_autocast.__new__, amp_autocast.__init__, amp_autocast.__enter__,
+                          amp_autocast.__exit__)
+_DECORATOR_FILE = inspect.getsourcefile(amp_autocast)
+_EVAL_FRAME_FILE = inspect.getsourcefile(torch._dynamo.eval_frame)

@@ -242,6 +242,8 @@ class FakeBackend(interface.Backend):
         self.forensic_reads = 0
         self.flags_made = 0
         self.autocast_state = [(False, None)]  # (enabled, dtype), innermost last
+        # (enabled, dtype, device, contract) -> a stand-in object amp.autocast(...) returns
+        self.native_blocks = {}
         self.refuse = {"bfloat16"}
         self.low_bn = True  # batch norm may hold low-precision weights
         self.low_steps = True  # optimizers may step low-precision parameters
@@ -255,6 +257,9 @@ class FakeBackend(interface.Backend):
     def check_precision(self, dtype, device):
         if dtype in self.refuse:
             raise UnsupportedPrecisionError(f"fake backend cannot compute {dtype}")
+
+    def native_autocast(self, enabled, dtype, device, contract):
+        return self.native_blocks.get((enabled, dtype, device, contract))
 
     def enter_autocast(self, enabled, dtype, device, contract=True):
         self.autocast_state.append((enabled, dtype))

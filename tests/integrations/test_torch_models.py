@@ -248,9 +248,15 @@ def test_gpt2_compiled_with_amp_autocast_gives_torch_autocasts_graphs(compiled_n
     assert all(torch.equal(a, b) for a, b in zip(ours["grads"], compiled_native["grads"]))
 
 
-def test_gpt2_compiled_with_the_contract_breaks_where_torch_autocast_does(compiled_native):
-    ours = compiled_gpt2(lambda: amp.autocast("cpu", dtype=torch.bfloat16))
-    assert ours["graphs"] == compiled_native["graphs"]
-    assert ours["breaks"] == compiled_native["breaks"]
-    assert torch.isfinite(ours["loss"])
-    torch.testing.assert_close(ours["loss"], compiled_native["loss"], rtol=0.03, atol=0.0)
+def test_gpt2_compiled_with_the_contract_compiles_torch_autocasts_pieces(compiled_native):
+    """With the contract on, dynamo gives up on the compiled function holding the block
+    (docs/COMPILE.md, "Graph breaks") and says so once; GPT-2's own forward and loss are
+    then compiled on their own, split at the same break: the same non-empty graphs, op
+    for op and dtype for dtype (the contract changes no op of GPT-2 on CPU: its
+    attention runs through SDPA and its layer norms get float32 inputs), no more graph
+    breaks than torch.autocast's, and the same loss."""
+    with pytest.warns(amp.CompileWarning, match="loss_of"):
+        ours = compiled_gpt2(lambda: amp.autocast("cpu", dtype=torch.bfloat16))
+    assert [g for g in ours["ops"] if g] == [g for g in compiled_native["ops"] if g]
+    assert sum(n for _, n in ours["breaks"]) <= sum(n for _, n in compiled_native["breaks"])
+    assert torch.equal(ours["loss"], compiled_native["loss"])

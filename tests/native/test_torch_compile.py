@@ -1,14 +1,18 @@
 """amp.autocast and the scaler under torch.compile, side by side with torch.autocast and
-torch.amp.GradScaler (docs/COMPILE.md).
+torch.amp.GradScaler (docs/COMPILE.md). Every test runs on every torch in the extra's
+range (`make test-matrix`); where torch versions differ, the test says which behaviour
+each version must show.
 
 Most cases compile with a recording backend that runs AOTAutograd as ``aot_eager`` does
 and keeps every graph it is given, so the tests count graphs and compare the compiled
 ops; a few use inductor and its on-disk cache, in this process and across two."""
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -19,15 +23,6 @@ from torch._dynamo.backends.common import aot_autograd
 import unified_amp as amp
 from unified_amp.backends.torch_backend import autocast as torch_autocast
 
-from ..fake_cuda import report_a_gpu
-
-# Tracing a unified block whole needs a dynamo that records autocast's state switches
-# (after torch 2.7). Where it cannot, the block's entry and exit run eagerly;
-# test_where_dynamo_cannot_trace_autocast_the_block_is_entered_eagerly covers that path
-# on every torch.
-needs_traceable = pytest.mark.skipif(
-    not torch_autocast.TRACEABLE,
-    reason=f"torch {torch.__version__}'s dynamo cannot trace autocast's state switches")
 
 BF16 = torch.bfloat16
 CAST = torch.ops.aten._to_copy.default  # a dtype cast, as AOTAutograd traces it
@@ -155,7 +150,6 @@ def native_graphs():
     return rec
 
 
-@needs_traceable
 @pytest.mark.parametrize("contract", [False, True], ids=["contract off", "contract on"])
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_compiles_whole_into_torch_autocasts_graphs(form, contract, native_graphs):
@@ -191,7 +185,6 @@ def test_every_form_compiles_whole_into_torch_autocasts_graphs(form, contract, n
     assert (torch.ops.aten._log_softmax.default, BF16) in native
 
 
-@needs_traceable
 def test_nested_blocks_trace_whole_and_keep_their_own_rules():
     """A contract block around a contract=False block and an enabled=False block: each
     region computes as it does eagerly, in one graph."""
@@ -219,53 +212,169 @@ def test_nested_blocks_trace_whole_and_keep_their_own_rules():
     assert torch._C._len_torch_function_stack() == 0
 
 
-@needs_traceable
-def test_a_graph_break_inside_a_block_raises_rather_than_losing_autocast():
-    """dynamo cannot resume a graph break inside a user-defined context manager: it
-    compiles the block's entry alone (AOTAutograd drops its autocast switches) and runs
-    the body without autocast. The block's exit sees that and raises, leaving autocast
-    and the mode stack as they were."""
-    def f(x):
-        with amp.autocast(dtype=BF16):
-            y = x @ x
-            torch._dynamo.graph_break()
-            return y @ y
+# -- graph breaks inside a block --------------------------------------------------------
 
-    with pytest.raises(RuntimeError, match="graph break inside the amp.autocast block"):
-        torch.compile(f, backend="aot_eager")(torch.randn(4, 4))
+class Head(torch.nn.Module):
+    """A user-defined module (dynamo compiles a user's frames on their own, never
+    torch's): where dynamo gives up on the frame holding a block, it still compiles this
+    module's forward, called from that frame."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.proj = torch.nn.Linear(16, 4)
+
+    def forward(self, h):
+        return F.log_softmax(self.proj(h), -1)
+
+
+BREAKS = {
+    "logging": lambda: logging.getLogger("unified_amp.tests").warning("a graph break"),
+    "print": lambda: print("", end=""),
+}
+
+
+def _broken(block, brk, model, head):
+    def f(x):
+        with block():
+            h = model(x)
+            BREAKS[brk]()  # dynamo cannot trace it: the graph breaks here
+            return head(h)
+    return f
+
+
+def _graphs_and_loss(fn, x):
+    rec = Recorder()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend=rec)(x)
+    compile_warnings = [w for w in seen if issubclass(w.category, amp.CompileWarning)]
+    return rec, out, compile_warnings
+
+
+def _linears(rec):
+    return [d for g in rec.forward for op, d in ops(g) if op == LINEAR]
+
+
+@pytest.fixture
+def quiet_logging():
+    """The breaks' logger silenced, and the adapter's record of functions it has warned
+    about forgotten (it warns once per function, and the tests reuse one)."""
+    logger = logging.getLogger("unified_amp.tests")
+    level, logger.level = logger.level, logging.CRITICAL
+    torch_autocast._warned.clear()
+    yield
+    logger.setLevel(level)
+    torch_autocast._warned.clear()
+
+
+@pytest.mark.parametrize("brk", BREAKS)
+def test_a_graph_break_inside_a_block_gives_torch_autocasts_loss_and_dtypes(brk, quiet_logging):
+    """Without the contract, on one device, the block is torch.autocast's, and so is
+    what a graph break inside it gives: the same loss, dtypes and (on torch >= 2.12,
+    where amp.autocast(...) is then a torch.autocast) the same graphs, each holding its
+    linears in bfloat16. On older torch, dynamo gives up on the frame holding the block:
+    the result is the same and it is said once (CompileWarning)."""
+    model, head, x = net()[:1], Head(), data()[0]
+    native = _broken(lambda: torch.autocast("cpu", dtype=BF16), brk, model, head)
+    unified = _broken(lambda: amp.autocast("cpu", dtype=BF16, contract=False), brk, model, head)
+    rec_n, out_n, _ = _graphs_and_loss(native, x)
+    torch._dynamo.reset()
+    rec_u, out_u, warned = _graphs_and_loss(unified, x)
+
+    assert out_u.dtype == out_n.dtype == BF16 and torch.equal(out_u, out_n)
     assert not torch.is_autocast_enabled("cpu")
     assert torch._C._len_torch_function_stack() == 0
-    # dynamo leaves torch's autocast nesting counter raised by the entries it traced;
-    # the exit takes that back, so later blocks still clear torch's weight-cast cache.
+    assert _linears(rec_n) == [BF16, BF16]
+    if torch_autocast._NATIVE:
+        assert not warned
+        assert len(rec_u.dynamo) == len(rec_n.dynamo) == 2
+        assert [ops(g) for g in rec_u.forward] == [ops(g) for g in rec_n.forward]
+    else:
+        assert len(warned) == 1 and torch.__version__ in str(warned[0].message)
+        assert _linears(rec_u) == [BF16]  # the head's frame, compiled on its own
+
+
+def test_a_graph_break_inside_a_contract_block_keeps_dtypes_and_contract_and_says_so(
+        quiet_logging):
+    """With the contract, dynamo gives up on the frame holding the block (on every
+    torch): the frame runs eagerly with the block's state in force, the functions it
+    calls are compiled on their own with the block's dtypes and contract, and a
+    CompileWarning names the function, the torch version and the fixes -- once."""
+    model, head, x = net()[:1], Head(), data()[0]
+    unified = _broken(lambda: amp.autocast("cpu", dtype=BF16), "logging", model, head)
+    with amp.autocast("cpu", dtype=BF16):
+        expected = head(model(x))
+    rec, out, warned = _graphs_and_loss(unified, x)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)  # the contract's
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    assert "in f (" in message and torch.__version__ in message
+    assert "@amp.autocast" in message and "contract=False" in message
+    head_graph = ops(rec.forward[-1])
+    assert [d for op, d in head_graph if op == LINEAR] == [BF16]
+    assert (CAST, torch.float32) in head_graph  # the contract's cast, compiled
+    # the same function again: no second warning, the same numbers
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        assert torch.equal(torch.compile(unified, backend="aot_eager")(x), expected)
+    assert not [w for w in again if issubclass(w.category, amp.CompileWarning)]
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch._C._len_torch_function_stack() == 0
     leaked = torch.autocast_increment_nesting() - 1
     torch.autocast_decrement_nesting()
-    assert leaked == 0
+    assert leaked == 0  # torch's nesting counter is back where it was
 
 
-@needs_traceable  # else the block's entry and exit run eagerly, and the body is compiled
-def test_a_block_object_made_outside_the_compiled_function_raises_naming_that():
-    """dynamo enters only context managers made inside the compiled region (torch.autocast
-    objects excepted): an amp.autocast object made outside is refused with fullgraph=True,
-    and without it the entry runs in a graph of its own, so the exit raises with the fix."""
+def test_a_decorated_function_splits_at_a_graph_break_inside_it(quiet_logging):
+    """The decorator's wrapper holds nothing but the call, so where dynamo gives up on
+    it, the decorated function itself is compiled on its own frame, splitting at the
+    break as torch.autocast does, with the contract: no warning."""
+    model, head, x = net()[:1], Head(), data()[0]
+
+    @amp.autocast("cpu", dtype=BF16)
+    def body(x):
+        h = model(x)
+        BREAKS["logging"]()
+        return head(h)
+
+    with amp.autocast("cpu", dtype=BF16):
+        expected = head(model(x))
+    rec, out, warned = _graphs_and_loss(lambda x: body(x) * 1, x)
+    assert torch.equal(out, expected) and not warned
+    assert _linears(rec) == [BF16, BF16]  # both linears compiled
+    assert any((CAST, torch.float32) in ops(g) for g in rec.forward)
+
+
+def test_a_block_object_made_outside_the_compiled_function():
+    """dynamo enters only context managers made inside the compiled region: an
+    amp.autocast object made outside breaks the graph at its ``with`` (before torch
+    2.14; ``fullgraph=True`` names it), and the block then runs as it does eagerly, its
+    body compiled under its state; torch 2.14 traces it whole."""
     def made_outside():
         ctx = amp.autocast(dtype=BF16)
 
         def f(x):
             with ctx:
-                return x @ x
+                return F.log_softmax(x @ x, -1)
         return f
 
-    with pytest.raises(RuntimeError, match="made outside the compiled function"):
-        torch.compile(made_outside(), backend="aot_eager")(torch.randn(4, 4))
+    x = torch.randn(4, 4)
+    with amp.autocast(dtype=BF16):
+        expected = F.log_softmax(x @ x, -1)
+    assert torch.equal(torch.compile(made_outside(), backend="aot_eager")(x), expected)
     assert not torch.is_autocast_enabled("cpu")
     assert torch._C._len_torch_function_stack() == 0
-    torch._dynamo.reset()  # else the same code runs from the first compile's cache
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="context manager"):
-        torch.compile(made_outside(), backend="aot_eager", fullgraph=True)(torch.randn(4, 4))
+    torch._dynamo.reset()
+    whole = torch.compile(made_outside(), backend="aot_eager", fullgraph=True)
+    if torch.__version__ >= "2.14":
+        assert torch.equal(whole(x), expected)
+    else:
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="context manager"):
+            whole(x)
     assert not torch.is_autocast_enabled("cpu")
 
 
-@needs_traceable
 def test_first_use_of_the_library_can_be_inside_a_compiled_function():
     """A fresh interpreter whose first unified_amp call is traced: choosing and loading
     the backend happens outside the trace, and the function still compiles whole."""
@@ -339,45 +448,20 @@ def test_each_side_gets_its_own_dtypes_in_one_process(order, reset):
     _run_in_order(order, Recorder(), reset, (8, 8))
 
 
-def test_where_dynamo_cannot_trace_autocast_the_block_is_entered_eagerly(monkeypatch):
-    """The path taken on a dynamo that cannot trace autocast's switches (torch 2.7):
-    fullgraph=True refuses the block, and without it the block's entry and exit run
-    eagerly while its body compiles with each side's own dtypes, in either order."""
-    monkeypatch.setattr(torch_autocast, "TRACEABLE", False)
-    model, (x, y) = net(), data()
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available")
+def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(monkeypatch):
+    """With a GPU present, entering a block (device None: CPU and CUDA) asks torch.cuda
+    whether the device computes bfloat16; dynamo cannot trace that query (it returns a
+    bool, not a tensor), and asked inside a compiled function it broke the graph on a
+    real GPU. Here the adapter sees a GPU and the query is one dynamo cannot trace: the
+    block must still compile whole, and the compiled code must never ask again.
 
-    def unified_loss(model, x, y):
-        with amp.autocast(dtype=BF16):
-            return loss_of(model, x, y)
-
-    with pytest.raises(Exception, match="(?i)disable|skip"):
-        torch.compile(unified_loss, backend="aot_eager", fullgraph=True)(model, x, y)
-    torch._dynamo.reset()
-    rec = Recorder()
-    torch.compile(unified_loss, backend=rec)(model, x, y)
-    assert rec.dynamo, "the block's body compiled"
-    assert not torch.is_autocast_enabled("cpu")
-    assert torch._C._len_torch_function_stack() == 0
-    torch._dynamo.reset()
-    for order in (("native", "unified"), ("unified", "native")):
-        _run_in_order(order, Recorder(), False, (8, 8))
-
-
-@pytest.mark.parametrize("traceable", [True, False],
-                         ids=["block traced whole", "block entered eagerly"])
-def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(
-        monkeypatch, traceable):
-    """With a GPU present, entering a block asks torch.cuda whether autocast can run there
-    and whether the device computes bfloat16; dynamo cannot trace those queries (they
-    return a bool, not a tensor), and asked inside a compiled function they broke its
-    graph on a real GPU. Here torch.cuda reports a GPU and both queries are ones dynamo
-    cannot trace: the block must still compile whole (or, where dynamo cannot trace
-    autocast's switches, be refused only for its eager entry), with the question asked
-    once while tracing and never by the compiled code."""
-    if traceable and not torch_autocast.TRACEABLE:
-        pytest.skip(f"torch {torch.__version__}'s dynamo cannot trace autocast's switches")
-    monkeypatch.setattr(torch_autocast, "TRACEABLE", traceable)
-    report_a_gpu(monkeypatch)
+    Only the adapter is told of a GPU, not torch: on a CUDA build of torch without a
+    driver, a torch.cuda that says a GPU is there makes dynamo itself start CUDA (its
+    stream tracking asks torch.accelerator), which fails. torch.autocast("cuda") then
+    warns, while tracing, that CUDA is absent; that is torch's, not the block's."""
+    monkeypatch.setattr(torch_autocast, "devices",
+                        lambda device: [device] if device else ["cpu", "cuda"])
     asked_while_tracing = []
 
     def untraceable(*args, **kwargs):
@@ -386,8 +470,6 @@ def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(
         return True
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", untraceable)
-    monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available",
-                        lambda: not untraceable())
     model, (x, y) = net(), data()
 
     def unified_loss(model, x, y):
@@ -395,18 +477,16 @@ def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(
             return loss_of(model, x, y)
 
     compiled = torch.compile(unified_loss, backend="aot_eager", fullgraph=True)
-    if not traceable:
-        # refused for the eager entry (as on a CPU machine), not for a query
-        with pytest.raises(Exception, match="(?i)disable|skip") as refused:
-            compiled(model, x, y)
-        assert "graph_break" not in str(refused.value)
-        return
     with amp.autocast(dtype=BF16):
         expected = loss_of(model, x, y).detach()
     asked_while_tracing.clear()
-    for _ in range(2):
-        assert torch.equal(compiled(model, x, y).detach(), expected)
-    assert asked_while_tracing == [True]  # once, while tracing; never by the graph
+    assert torch.equal(compiled(model, x, y).detach(), expected)  # one graph: no break
+    # Asked while compiling (by the block's check, and by torch.autocast("cuda") itself,
+    # which dynamo and AOTAutograd build to trace the region); never by the compiled code.
+    assert asked_while_tracing
+    asked_while_tracing.clear()
+    assert torch.equal(compiled(model, x, y).detach(), expected)
+    assert asked_while_tracing == []
     assert not torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
 
 
