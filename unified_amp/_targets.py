@@ -8,7 +8,9 @@ once here.
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -58,3 +60,46 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
 def _short(obj: Any) -> str:
     text = repr(obj)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+class OptimizerParams:
+    """An optimizer's parameters, cached per optimizer (weakly) while its param_groups
+    stay the same lists of the same lengths: rebuilding them is a pass over every
+    parameter, and a step asks every time."""
+
+    def __init__(self) -> None:
+        self._cache: weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]] = \
+            weakref.WeakKeyDictionary()
+
+    def __call__(self, optimizer: Any, backend: Any) -> list[Any]:
+        shape = [(id(g["params"]), len(g["params"])) for g in optimizer.param_groups]
+        try:
+            cached = self._cache.get(optimizer)
+        except TypeError:  # not weak-referenceable: no cache
+            return params_of(optimizer, backend, "GradScaler.step()")
+        if cached is not None and cached[0] == shape:
+            return cached[1]
+        params = params_of(optimizer, backend, "GradScaler.step()")
+        self._cache[optimizer] = (shape, params)
+        return params
+
+
+def each_tensor(val: Any, where: str, one: Callable[[Any, str], Any], backend: Any) -> Any:
+    """``one(tensor, where)`` of ``val`` (a tensor, or a list/tuple or other iterable of
+    them, nested), in the same structure: what ``scale()`` accepts.
+
+    Raises:
+        ValueError: something in ``val`` is no tensor of ``backend``.
+    """
+    if backend.is_tensor(val):
+        return one(val, where)
+    if isinstance(val, (list, tuple)):
+        return type(val)(each_tensor(v, f"{where}[{i}]", one, backend)
+                         for i, v in enumerate(val))
+    if isinstance(val, Iterable) and not isinstance(val, (str, bytes, Mapping)):
+        return map(lambda v: each_tensor(v, f"{where}[...]", one, backend), val)
+    raise ValueError(
+        f"GradScaler.scale() expects a {backend.name} tensor or a list/tuple of"
+        f" them; {where} is {type(val).__name__} {_short(val)}. Scale only the"
+        f" loss (or outputs) you call backward on."
+    )

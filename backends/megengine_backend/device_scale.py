@@ -25,6 +25,7 @@ factors that float32 holds exactly (the core refuses the others inside a trace).
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Sequence
 
 import megengine
@@ -159,6 +160,28 @@ class DeviceScale(interface.TracedScale):
             self.tracker_t._reset(megengine.tensor(tracker, dtype="int32"))
 
 
+# Run right before each traced call starts (TracedSteps.before_traces): the live
+# scalers' own callbacks, held weakly. A fact about which scalers are alive, as
+# forensics' set of readers is; no scaler's state is shared through it.
+_before_traces: list[weakref.WeakMethod] = []
+
+
+def _call_before_traces(call: Any) -> Any:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _tracing.is_tracing():  # (a trace called inside a trace: already done)
+            live = []
+            for ref in _before_traces:
+                callback = ref()
+                if callback is not None:
+                    callback()
+                    live.append(ref)
+            _before_traces[:] = live
+        return call(self, *args, **kwargs)
+
+    __call__.__wrapped_by_unified_amp__ = call  # type: ignore[attr-defined]
+    return __call__
+
+
 class TracedSteps(interface.Tracing):
     """Whether a ``megengine.jit.trace`` is running, and the scale that lives on the
     device for it (unified_amp/_tracing.py has the policy)."""
@@ -189,3 +212,11 @@ class TracedSteps(interface.Tracing):
                      skipped: int) -> DeviceScale:
         # On the default device, where MegEngine's optimizers put their state too.
         return DeviceScale(scale, tracker, skipped)
+
+    def before_traces(self, callback: Any) -> None:
+        # Every traced call goes through trace.__call__ (looked up on the class at each
+        # call, so traces made before this are covered too); wrapped once per process.
+        trace = megengine.jit.trace
+        if not hasattr(trace.__call__, "__wrapped_by_unified_amp__"):
+            trace.__call__ = _call_before_traces(trace.__call__)
+        _before_traces.append(weakref.WeakMethod(callback))

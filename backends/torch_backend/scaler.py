@@ -84,10 +84,8 @@ def _run_eagerly(cls: type) -> type:
     return cls
 
 
-# torch.amp's class declares _device as a str; the core's may be None (no device given).
-# torch.amp's methods that would read it are all the core's here.
 @_run_eagerly
-class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
+class TorchGradScaler(GradScaler, torch.amp.GradScaler):
     """``unified_amp.GradScaler`` on the torch backend; also a ``torch.amp.GradScaler``.
 
     All behaviour is the core's (torch.amp's ``__init__`` never runs). The private
@@ -153,6 +151,29 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
 
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
+
+    # torch.amp keeps its settings as plain attributes; code in the wild reads them.
+    @property
+    def _enabled(self) -> bool:  # type: ignore[override]
+        return self.adapter_view.enabled
+
+    @property
+    def _device(self) -> str | None:  # type: ignore[override]
+        """The device the scaler was made for (None: not given; it then scales on
+        whatever device the outputs live on)."""
+        return self.adapter_view.device
+
+    @property
+    def _growth_factor(self) -> float:  # type: ignore[override]
+        return self.get_growth_factor()
+
+    @property
+    def _backoff_factor(self) -> float:  # type: ignore[override]
+        return self.get_backoff_factor()
+
+    @property
+    def _growth_interval(self) -> int:  # type: ignore[override]
+        return self.get_growth_interval()
 
     # torch.amp keeps the values its lazily made _scale/_growth_tracker tensors start
     # from; load_state_dict() and unpickling set them. There is no lazy start here, so
@@ -248,7 +269,7 @@ def _first_tensor_device(outputs: Any) -> torch.device | None:
     return None
 
 
-class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):  # type: ignore[misc]
+class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):
     """The same, made for CUDA: also a ``torch.cuda.amp.GradScaler`` (older runners
     check that class)."""
 

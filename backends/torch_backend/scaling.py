@@ -13,12 +13,13 @@ _Cache = dict[torch.device, tuple[float, torch.Tensor]]
 
 
 def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any,
-                                 cache: _Cache | None = None
+                                 cache: _Cache | None = None, allow_float16: bool = True
                                  ) -> dict[torch.device, torch.Tensor]:
     """torch's fused kernel over grads of any devices/dtypes (it takes one of each per
     call); ``inv_scale`` is a float or a float32 0-dim tensor. Returns a found_inf flag
     (float32) per device. No host sync. ``cache``: where the float's tensor per device
-    is kept between calls (the kernel only reads it)."""
+    is kept between calls (the kernel only reads it). ``allow_float16`` False: a
+    float16 gradient raises ValueError before any kernel runs."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         if g.is_sparse:
@@ -29,6 +30,8 @@ def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any,
             groups[key] = [g]
         else:
             same.append(g)
+    if not allow_float16 and any(dtype == torch.float16 for _, dtype in groups):
+        raise ValueError("Attempting to unscale FP16 gradients.")
     found: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for (device, _), same in groups.items():
@@ -64,9 +67,11 @@ def _float32_scalar(value: float, device: torch.device, cache: _Cache | None
 
 def check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
                       found_on: torch.device | None = None,
-                      cache: _Cache | None = None) -> torch.Tensor:
+                      cache: _Cache | None = None, allow_float16: bool = True
+                      ) -> torch.Tensor:
     """The same, as one flag on ``found_on`` (default: the first gradient's device)."""
-    found = list(check_and_unscale_per_device(grads, inv_scale, cache).values())
+    found = list(check_and_unscale_per_device(grads, inv_scale, cache,
+                                              allow_float16).values())
     if found_on is None and len(found) == 1:
         return found[0]  # the usual case: one device, no copy to make
     target = found_on or found[0].device
@@ -88,7 +93,6 @@ class LossScaling(interface.LossScaling):
     """Multiplying by the scale as torch.amp does, and the fused check of the gradients."""
 
     scale_key_aliases: tuple[str, ...] = ()
-    rejects_non_float32: bool = False  # torch's kernel takes float16 too: the core checks
 
     _scale_cache: _Cache
     _inv_cache: _Cache
@@ -107,8 +111,11 @@ class LossScaling(interface.LossScaling):
             return [torch.full_like(y, scale) for y in ys]
         return [dy * self._scale_tensor(scale, dy.device) for dy in dys]
 
-    def unscale_and_check(self, grads: Sequence[torch.Tensor], inv_scale: float) -> Any:
-        return check_and_unscale(grads, inv_scale, cache=self._inv_cache)
+    def unscale_and_check(self, grads: Sequence[torch.Tensor], inv_scale: float,
+                          allow_float16: bool = False) -> Any:
+        # The grouping by dtype reads every dtype already: float16 is refused there.
+        return check_and_unscale(grads, inv_scale, cache=self._inv_cache,
+                                 allow_float16=allow_float16)
 
     def flag_is_set(self, flag: torch.Tensor) -> bool:
         return bool(flag.item())

@@ -1,0 +1,500 @@
+"""GradScaler's state machine: one object that a GradScaler holds and delegates to.
+
+``ScalerMachine`` holds everything a scaler knows -- the scale and its telemetry
+(``ScaleState``, _scaler_state.py), per-optimizer stages, the checks since the last
+``update()``, the ledger of unscaled gradient generations (_ledger.py), the overflow
+reports (_scaler_forensics.py) -- and runs the loop's operations on it: ``scale``,
+``backward``, ``unscale``, ``step``, ``update``. Each one splits a target's gradients
+into still-scaled / already-checked / idle (the ledger), refuses an unscale that would be
+wrong, runs one fused check (agreed across ranks where needed: distributed.py), steps
+unless a check found an inf/NaN, and ends the iteration in ``_update``.
+
+Where the usual step needs nothing of a part, it pays nothing for it: one process asks
+the adapter once whether there are other ranks; an adapter without traces never asks
+about them; ``scaler.backward(gm, loss)`` knows that the gradients its own backward pass
+just wrote are all new, so it looks nothing up in the ledger; the usual torch.amp step
+has no record alive when it steps, so it looks nothing up either.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+import weakref
+from typing import Any, Sequence
+
+from . import _tracing, distributed
+from ._ledger import Check, GradLedger, by_grad
+from ._registry import get_backend
+from ._scale_rule import valid_scale
+from ._scaler_forensics import Forensics
+from ._scaler_iteration import Iteration, Stage
+from ._scaler_state import Caps, ScaleState
+from ._targets import OptimizerParams, each_tensor, is_optimizer, params_of
+
+__all__: list[str] = []
+
+@functools.lru_cache(maxsize=None)
+def _takes_grad_scaler_kwarg(optimizer_class: Any) -> bool:
+    # torch's older contract for optimizers that unscale themselves: the scaler passes
+    # itself as step(grad_scaler=...). Asked once per class: inspect.signature is slow.
+    try:
+        return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class ScalerMachine:
+    """The state and the operations of one GradScaler (see the module's doc)."""
+
+    def __init__(self, scaler: Any, enabled: bool, device: str | None, group: Any,
+                 numbers: ScaleState) -> None:
+        self.enabled = enabled
+        self.device = device  # the constructor's, or None
+        self.group = group  # GradScaler(process_group=...)
+        self.s = numbers
+        self.backend: Any = None  # resolved on first use
+        self.caps: Caps | None = None  # what the adapter provides, asked once
+        self.ledger = GradLedger()
+        self.forensics = Forensics(self, enabled)
+        self.updated_by_backward = False  # the last update() was backward()'s own
+        # optimizer id -> the checks behind its last step after backward()'s update()
+        self.tail: dict[int, list[Check]] = {}
+        self.optimizer_params = OptimizerParams()
+        self.scaler = weakref.ref(scaler)  # its public get_scale(), for reports
+        self._new_iteration()
+        if enabled:
+            self._caps()  # an adapter with traces keeps a device copy of the scale
+
+    # -- the adapter ----------------------------------------------------------------------
+    def be(self) -> Any:
+        if self.backend is None:
+            self.backend = get_backend()
+        return self.backend
+
+    def _caps(self) -> Caps:
+        caps = self.caps
+        if caps is None:
+            caps = self.caps = Caps(self.be())
+            if caps.tracer is not None:  # keep the trace copy current before each trace
+                _tracing.follow(caps.tracer, self.flush_trace_copy)
+        return caps
+
+    def current_scale(self) -> float:
+        self.s.sync_from_device()
+        return self.s.value
+
+    def overflows_since_update(self) -> int:
+        return self.it.overflows()
+
+    def _new_iteration(self) -> None:
+        self.it = Iteration()
+        self.forensics.end_iteration()
+
+    # -- traces (_tracing.py has the policy) ----------------------------------------------
+    def traced(self, what: str) -> bool:
+        """Whether ``what`` runs inside a trace, raising where it cannot run there as it
+        does eagerly (then the scale stays on the device: ScaleState.enter_trace)."""
+        tracer = self._caps().tracer
+        if tracer is None or tracer.trace_mode() is None:
+            return False
+        self.s.enter_trace(tracer, what)
+        return True
+
+    def refuse_in_trace(self, what: str, kind: str) -> None:
+        """Raises if ``what``, a call that needs the host, runs inside a trace."""
+        if self.enabled:
+            tracer = self._caps().tracer
+            if tracer is not None and tracer.trace_mode() is not None:
+                raise _tracing.refuse(tracer, what, kind)
+
+    def flush_trace_copy(self) -> None:
+        """The adapter calls this right before each traced call starts, outside it."""
+        if self.enabled and self.caps is not None and self.caps.tracer is not None:
+            self.s.mirror(self.caps.tracer)
+
+    # -- scaling ----------------------------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        caps = self.caps or self._caps()
+        if caps.tracer is not None:
+            self.traced("GradScaler.scale()")
+        self.forensics.saw_loss(outputs)
+        return self._scaled(outputs, "outputs", caps)
+
+    def _scaled(self, val: Any, where: str, caps: Caps) -> Any:
+        backend = caps.backend
+        if not backend.is_tensor(val):
+            return each_tensor(val, where, lambda v, w: self._scaled(v, w, caps), backend)
+        dev = self.s.dev
+        out = dev.scale(val) if dev is not None else backend.scale(val, self.s.value)
+        self.it.handed(None if caps.probes is None else caps.probes.backward_token(out))
+        # A backward may follow: the records' versions are read now, before it.
+        self.ledger.new_backward(caps.version)
+        return out
+
+    def backward(self, gm: Any, y: Any, dy: Any, unscale_grad: bool,
+                 update_scale: bool) -> None:
+        caps = self.caps or self._caps()
+        if caps.tracer is not None:
+            if unscale_grad:
+                self.refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
+            self.traced("GradScaler.backward(gm, loss, unscale_grad=False)")
+        ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
+        if dy is None:
+            dys = None
+        else:
+            dys = list(dy) if isinstance(dy, (list, tuple)) else [dy]
+            if len(dys) != len(ys):
+                raise ValueError(
+                    f"GradScaler.backward() got {len(ys)} output(s) y but {len(dys)}"
+                    f" cotangent(s) dy; pass one dy per y, or dy=None for ones."
+                )
+        backend, s = caps.backend, self.s
+        if s.dev is not None:
+            cotangents = s.dev.scaled_cotangents(ys, dys)
+        else:
+            cotangents = backend.scaled_cotangents(ys, dys, s.value)
+        attached = params_of(gm, backend, "GradScaler.backward()")
+        held = self.ledger.held(attached, caps.version)
+        if held:  # bring them back to the scale: one unscale afterwards gives the true sum
+            if s.dev is not None:
+                s.dev.rescale(held)
+            else:  # the fused check-and-multiply kernel, given the scale itself
+                backend.unscale_and_check(held, s.value, True)
+        # This backward writes a new generation of gm's gradients.
+        self.ledger.forget(attached)
+        self.ledger.new_backward(caps.version)
+        self.it.handed(None)
+        self.forensics.saw_loss(ys)
+        gm.backward(ys, cotangents)
+        if unscale_grad:
+            # Every attached gradient is new: the ledger has nothing to say about them.
+            self.unscale(gm, "unscale()", True, attached)
+            if update_scale:
+                self._update(None)  # not the user's: the ledger's iteration goes on
+                self.updated_by_backward = True
+            self.ledger.weaken()  # the user's step, zero_grad and next forward follow
+
+    # -- unscaling --------------------------------------------------------------------------
+    def unscale(self, target: Any, what: str, drop: bool,
+                fresh: list[Any] | None = None) -> None:
+        """unscale() (``drop``: megengine.amp's form, the verdict read at once and the
+        overflowed gradients dropped) and unscale_(). ``fresh``: the target's
+        parameters, when a backward pass this scaler ran just wrote all their gradients
+        (nothing to look up)."""
+        caps = self.caps or self._caps()
+        state = None
+        if fresh is None and is_optimizer(target):
+            state = self.it.opt_state(target)
+            if state.stage is Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last"
+                    " update(). Unscaling twice would divide its gradients by the scale"
+                    " twice; call scaler.update() to finish the iteration first."
+                )
+            if state.stage is Stage.STEPPED:
+                raise RuntimeError(
+                    "unscale_() is being called after step(). Unscale before"
+                    " scaler.step(optimizer) (step() unscales by itself when you don't)."
+                )
+        backend = caps.backend
+        if fresh is None:
+            params = params_of(target, backend, f"GradScaler.{what}")
+            distributed.note_module(backend, target)
+            pending, grads, done, idle = self._split(params)
+        else:
+            pending, grads, done, idle = by_grad(fresh)
+        if done:
+            raise RuntimeError(
+                f"{what} has already been called on these gradients: no backward pass"
+                f" the scaler could see (through scaler.scale() or scaler.backward()) has"
+                f" written them since they were unscaled. Unscaling twice would divide"
+                f" them by the scale twice. Unscale each set of gradients once, after all"
+                f" of its backward passes (scaler.backward(gm, loss) already unscales"
+                f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
+                f" gradients that were not cleared also adds to unscaled ones."
+            )
+        agreement, unscale = False, True
+        if pending:
+            agreement, unscale = self._scaled_or_idle(pending, idle, what)
+            distributed.require_synced(backend, pending, f"GradScaler.{what}")
+        if state is not None:
+            self.steps_on_device(target)  # a fused optimizer moves the scale to the device
+        # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
+        # in step(), as torch.amp does.
+        check = self.check(pending, grads=grads, idle=idle, agreement=agreement,
+                           unscale=unscale, read=drop)
+        if drop and check.found:
+            backend.drop_grads(pending)
+            grads = [None] * len(pending)
+            self.forensics.overflowed_without_update(self.it.overflows(),
+                                                     self.s.value)
+        # torch.amp's unscale_ is followed by step() and update() within the iteration;
+        # megengine.amp's unscale may be followed by the next forward instead.
+        self.record(pending, grads, check, weak=drop)
+        if state is not None:
+            state.stage = Stage.UNSCALED
+            state.checks.append(check)
+
+    def _split(self, params: list[Any]
+               ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+        """``params`` with a gradient that still needs unscaling and those gradients,
+        the checks that already covered others (from the ledger), and the params with
+        neither."""
+        caps = self.caps
+        assert caps is not None
+        if self.it.records_wait and self.it.late_backward(caps.probes):
+            self.ledger.new_backward(caps.version)  # that backward ran after the record
+        return self.ledger.split(params, caps.version)
+
+    def record(self, params: list[Any], grads: list[Any], check: Check,
+               weak: bool) -> None:
+        it, caps = self.it, self.caps
+        assert caps is not None
+        if params and it.watched and it.waiting(caps.probes):
+            # A backward through a scale() output made before this record may run after
+            # it: keep the gradients' versions as they are now, to compare with then.
+            it.records_wait = True
+            self.ledger.record(params, grads, check, weak=weak, version=caps.version)
+        else:
+            self.ledger.record(params, grads, check, weak=weak)
+
+    # -- the misuse checks --------------------------------------------------------------------
+    def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str
+                        ) -> tuple[Any, bool]:
+        """Whether ``pending`` may be unscaled: returns ``(agreement, unscale)`` for
+        ``check``, or raises if nothing was scaled since the last update.
+
+        One exception to the raise: a rank of a job whose checks are agreed across ranks
+        (a process_group, FSDP) that had no loss this step -- an empty micro-batch, an
+        expert that got no tokens -- may still hold gradients (zeroed in place). They are
+        not scaled, so they are checked as they are, not divided, and the rank joins the
+        other ranks' decision instead of leaving them waiting in the collective.
+        """
+        it = self.it
+        if it.handed_watched or it.handed_blind:
+            self.require_scaled(what)  # raises only if no backward used the scale
+            return False, True
+        agreement = self._plan(pending, idle)
+        if agreement is None:
+            self.require_scaled(what)  # raises
+        return agreement, False
+
+    def require_scaled(self, what: str) -> None:
+        """Raises if unscaling now would shrink gradients that were never scaled."""
+        self.it.require_scaled(what, self.s.value, self._caps().probes)
+
+    # -- the fused check ----------------------------------------------------------------------
+    def _plan(self, params: list[Any], idle: Sequence[Any]) -> Any:
+        """The cross-rank agreement a check needs (distributed.py), or None; one
+        question to the adapter in a single process."""
+        caps = self.caps
+        if self.group is None and (caps.collectives is None  # type: ignore[union-attr]
+                                   or caps.collectives.world_group() is None):  # type: ignore[union-attr]
+            return None
+        return distributed.plan(self.backend, params, list(idle), self.group)
+
+    def check(self, params: list[Any], *, grads: list[Any] | None = None,
+              idle: Sequence[Any] = (), agreement: Any = False,
+              unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
+        """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
+        them too unless a fused optimizer will. ``read`` reads the verdict at once (the
+        sync); otherwise it is read when first needed.
+
+        In a multi-process job the verdict is agreed across ranks (distributed.py);
+        ``idle`` (the target's params without a gradient here) then take part too, and
+        ``agreement`` may pass the plan when the caller made it already. ``grads``:
+        the gradients of ``params``, where the caller has them already.
+        """
+        caps = self.caps or self._caps()
+        backend, s = caps.backend, self.s
+        if agreement is False:
+            agreement = self._plan(params, idle)
+        if grads is None:
+            grads = backend.grads(params)
+        if agreement is not None and agreement.standins:
+            grads = grads + agreement.standins
+        flag = None
+        if grads:
+            dev = s.dev
+            try:
+                if dev is None:
+                    # The adapter refuses a float16 gradient unless allowed (ValueError)
+                    flag = backend.unscale_and_check(grads, s.inv() if unscale else 1.0,
+                                                     allow_fp16)
+                else:
+                    if not allow_fp16:
+                        caps.refuse_fp16(grads)
+                    flag = dev.unscale_and_check(grads) if unscale else dev.check(grads)
+            except ValueError:
+                if not allow_fp16:
+                    caps.refuse_fp16(grads)  # float16 gets the core's words
+                raise
+        if agreement is not None:
+            check = agreement.check(flag, params or list(idle))
+            # Every rank now covers the same parameters, gradient or not.
+            self.ledger.record(list(idle), [None] * len(idle), check)
+        else:
+            check = Check(None, False) if flag is None else Check(flag, None)
+        self.it.add(check)
+        if check.found is None:
+            check.on_overflow = self.forensics.hook(params, backend, s.steps + 1)
+            if read:
+                check.verdict(backend.flag_is_set)  # the one sync
+        return check
+
+    # -- stepping -----------------------------------------------------------------------------
+    def step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        state = self.it.opt_state(optimizer)
+        if state.stage is Stage.STEPPED:
+            raise RuntimeError(
+                "step() has already been called since the last update(). Call"
+                " scaler.update() once per iteration, after stepping every optimizer."
+            )
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and \
+                _takes_grad_scaler_kwarg(optimizer.__class__):
+            # The optimizer unscales and checks by itself, asking this scaler.
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the"
+                " passed optimizer. In the near future GradScaler registers `grad_scale:"
+                " Tensor` and `found_inf: Tensor` to the passed optimizer and let the"
+                " optimizer use them directly.",
+                FutureWarning,
+                stacklevel=4,
+            )
+            result = optimizer.step(*args, **dict(kwargs, grad_scaler=self.scaler()))
+            state.stage = Stage.STEPPED
+            return result
+        caps = self.caps or self._caps()
+        # A fused optimizer skips on the device by itself; inside a trace the adapter's
+        # device scale skips for any optimizer (_tracing.py).
+        fused = caps.resident is not None and self.steps_on_device(optimizer)
+        on_device = fused or (caps.tracer is not None and self.traced("GradScaler.step()"))
+        params = self.optimizer_params(optimizer, caps.backend)
+        pending, grads, done, idle = self._split(params)
+        if state.stage is Stage.READY and not pending and done and not any(
+                c is k for c in done for k in self.it.checks):
+            # Every gradient was decided by checks that an update() already consumed:
+            # scaler.backward(gm, loss) then step(opt). This step ends that iteration.
+            return self.tail_step(optimizer, done, on_device, args, kwargs)
+        checks = list(state.checks)
+        checks += [c for c in done if all(c is not k for k in checks)]
+        fused_unscale = False
+        agreement = None
+        if state.stage is Stage.READY and not pending and idle:
+            # No gradient here, but another rank may have some: take part in its check.
+            agreement = self._plan([], idle)
+        if state.stage is Stage.READY and (pending or agreement is not None):
+            unscale = True
+            if pending:
+                agreement, unscale = self._scaled_or_idle(pending, idle, "step()")
+                distributed.require_synced(caps.backend, pending, "GradScaler.step()")
+            # A fused optimizer unscales inside its own kernel (grad_scale), as with
+            # torch.amp -- unless some of its gradients were unscaled already.
+            fused_unscale = fused and not done and unscale
+            check = self.check(pending, grads=grads, idle=idle,
+                               agreement=agreement or False,
+                               unscale=unscale and not fused_unscale, read=False,
+                               allow_fp16=fused_unscale)
+            if not fused_unscale:
+                # held until update(), which torch.amp's loop calls next
+                self.record(pending, grads, check, weak=False)
+            checks.append(check)
+        if not checks and not fused:
+            raise RuntimeError(
+                "No inf checks were recorded for this optimizer: none of its parameters"
+                " has a gradient. Run the scaled backward pass before"
+                " scaler.step(optimizer)."
+            )
+        result = self.step_unless_found(optimizer, checks, on_device, fused_unscale,
+                                        args, kwargs)
+        state.stage = Stage.STEPPED
+        state.checks = checks  # every check that decided this step
+        return result
+
+    def steps_on_device(self, optimizer: Any) -> bool:
+        resident = self._caps().resident
+        if resident is None or not resident.steps_on_device(optimizer):
+            return False
+        s = self.s
+        if s.dev is None:
+            s.dev = resident.device_scale(optimizer, s.value, s.tracker, s.skipped_steps)
+        return True
+
+    def step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
+                          fused_unscale: bool, args: tuple, kwargs: dict) -> Any:
+        if any(c.found is True for c in checks):
+            return None
+        if on_device:
+            assert self.s.dev is not None  # steps_on_device() or traced() made it
+            return self.s.dev.step(optimizer, fused_unscale,
+                                   [c.ready() for c in checks if c.flag is not None],
+                                   args, kwargs)
+        read = self.backend.flag_is_set
+        if any(c.verdict(read) for c in checks):  # the one sync per step
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def tail_step(self, optimizer: Any, checks: list[Check], on_device: bool,
+                  args: tuple, kwargs: dict) -> Any:
+        previous = self.tail.get(id(optimizer))
+        if previous is not None and len(previous) == len(checks) and all(
+                any(c is k for k in previous) for c in checks):
+            raise RuntimeError(
+                "step() has already been called on these gradients: scaler.backward(gm,"
+                " loss) unscaled them and called update(), and scaler.step(optimizer)"
+                " then stepped them once. Run the next backward pass first."
+            )
+        self.tail[id(optimizer)] = checks
+        return self.step_unless_found(optimizer, checks, on_device, False, args, kwargs)
+
+    # -- the end of an iteration ----------------------------------------------------------------
+    def update(self, new_scale: Any) -> None:
+        if new_scale is not None:
+            self.refuse_in_trace("GradScaler.update(new_scale=...)", "write")
+        if self._caps().tracer is not None:
+            self.traced("GradScaler.update()")
+        self._update(new_scale)
+        self.ledger.new_iteration()
+
+    def _update(self, new_scale: Any) -> None:
+        if new_scale is not None:
+            new_scale = valid_scale(new_scale, "update(new_scale=...)", self.be)
+        elif not self.it.checked():
+            raise self._nothing_checked()
+        it = self.it
+        checks, checked = it.checks, it.checked()
+        s = self.s
+        if s.dev is not None:
+            if checked:
+                s.steps += 1
+            found_host = bool(it.folded_found) or any(c.found is True for c in checks)
+            flags = [c.ready() for c in checks if c.found is None]
+            for c in checks:
+                c.on_overflow = None  # never read on the host, so never reported
+            s.dev.update(found_host, flags, s.growth_factor, s.backoff_factor,
+                         s.growth_interval, steps=s.steps, count=checked,
+                         new_scale=new_scale)
+        else:
+            read = self.backend.flag_is_set
+            # every verdict read (list, not generator): each check's report must run
+            found = any([c.verdict(read) for c in checks]) or bool(it.folded_found)
+            if new_scale is not None:
+                s.value = new_scale
+            else:
+                s.advance(found)
+            if checked:
+                s.count_step(found)
+                self.forensics.counted(found, s.value, s.steps)
+        self.updated_by_backward = False
+        self._new_iteration()
+
+    def _nothing_checked(self) -> RuntimeError:
+        hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"
+                " called update(); drop this update() call, or pass"
+                " backward(..., update_scale=False) to update yourself."
+                if self.updated_by_backward else
+                " Call scaler.step(optimizer), scaler.unscale_(optimizer) or"
+                " scaler.unscale(gm) first, or pass update(new_scale=...).")
+        return RuntimeError("No inf checks were recorded prior to update()." + hint)
