@@ -61,7 +61,7 @@ class Forensics:
         # Reads forward traces' flags; a disabled scaler checks nothing, so never reports.
         self._traces = tracing.Reader() if enabled else None
         self._models: list[Callable[[], Any]] = []
-        self._loss: Any = None  # the last loss scaled in this iteration
+        self.loss: Any = None  # the last loss scaled in this iteration
         self.warn_after = 10
         self.warn_below = 1.0
         self.history: collections.deque[OverflowReport] = collections.deque(maxlen=16)
@@ -101,7 +101,7 @@ class Forensics:
         iteration ends (the loop holds it that long anyway)."""
         if isinstance(outputs, (list, tuple)):
             outputs = outputs[0] if outputs else None
-        self._loss = outputs
+        self.loss = outputs
 
     def hook(self, params: list[Any], backend: Any, step: int) -> Callable[[], None]:
         """What a check of ``params`` in scaler step ``step`` runs if its verdict reads
@@ -124,7 +124,7 @@ class Forensics:
         return names
 
     def _loss_value(self) -> float | None:
-        loss = self._loss
+        loss = self.loss
         if loss is None or math.prod(int(d) for d in loss.shape) != 1:
             return None
         return float(loss.item())
@@ -143,7 +143,7 @@ class Forensics:
         if scaler is None:
             return
         with_grad = [p for p in params if p.grad is not None]
-        loss = self._loss
+        loss = self.loss
         if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
             loss = None
         # The flags recorded since this scaler's last update, whichever trace made them.
@@ -216,7 +216,7 @@ class Forensics:
 
     def end_iteration(self) -> None:
         self._stall_warned = False
-        self._loss = None
+        self.loss = None
         if self._traces is not None:
             self._traces.passed()  # this scaler's next report reads only newer flags
 

@@ -55,7 +55,9 @@ class ScalerMachine:
         self.group = group  # GradScaler(process_group=...)
         self.s = numbers
         self.backend: Any = None  # resolved on first use
-        self.caps: Caps | None = None  # what the adapter provides, asked once
+        # What the adapter provides, asked once (made here for an enabled scaler: only
+        # an enabled one runs the operations below).
+        self.caps: Caps = None  # type: ignore[assignment]
         self.ledger = GradLedger()
         self.forensics = Forensics(self, enabled)
         self.updated_by_backward = False  # the last update() was backward()'s own
@@ -96,7 +98,7 @@ class ScalerMachine:
     def traced(self, what: str) -> bool:
         """Whether ``what`` runs inside a trace, raising where it cannot run there as it
         does eagerly (then the scale stays on the device: ScaleState.enter_trace)."""
-        tracer = self._caps().tracer
+        tracer = self.caps.tracer
         if tracer is None or tracer.trace_mode() is None:
             return False
         self.s.enter_trace(tracer, what)
@@ -105,7 +107,7 @@ class ScalerMachine:
     def refuse_in_trace(self, what: str, kind: str) -> None:
         """Raises if ``what``, a call that needs the host, runs inside a trace."""
         if self.enabled:
-            tracer = self._caps().tracer
+            tracer = self.caps.tracer
             if tracer is not None and tracer.trace_mode() is not None:
                 raise _tracing.refuse(tracer, what, kind)
 
@@ -116,11 +118,52 @@ class ScalerMachine:
 
     # -- scaling ----------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
-        caps = self.caps or self._caps()
+        caps = self.caps
         if caps.tracer is not None:
             self.traced("GradScaler.scale()")
-        self.forensics.saw_loss(outputs)
-        return self._scaled(outputs, "outputs", caps)
+        if not caps.backend.is_tensor(outputs):
+            self.forensics.saw_loss(outputs)
+            return self._scaled(outputs, "outputs", caps)
+        # The usual call, one loss, written out: it runs every step.
+        self.forensics.loss = outputs
+        dev = self.s.dev
+        out = dev.scale(outputs) if dev is not None else caps.backend.scale(outputs,
+                                                                           self.s.value)
+        self.it.handed(None if caps.probes is None else caps.probes.backward_token(out))
+        self.ledger.new_backward(caps.version)  # a backward may follow
+        return out
+
+    def lean_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        """step() where the usual torch.amp step needs nothing more: the scale on the
+        host, no trace, no record alive, one process, an optimizer that neither skips by
+        itself nor was unscaled this iteration, and gradients to check. The same
+        decisions as ``step`` in fewer calls (the step's host time is the budget on a
+        small model); anything else goes there."""
+        it, caps, s = self.it, self.caps, self.s
+        if (id(optimizer) in it.opt_states or s.dev is not None or caps.tracer is not None
+                or it.records_wait or not self.ledger.empty()
+                or getattr(optimizer, "_step_supports_amp_scaling", False)):
+            return self.step(optimizer, args, kwargs)
+        backend = caps.backend
+        pending, grads, _, idle = by_grad(self.optimizer_params(optimizer, backend))
+        if not pending or not self._solo():
+            return self.step(optimizer, args, kwargs)
+        if not (it.handed_blind or it.saw_backward):
+            it.require_scaled("step()", s.value, caps.probes)  # raises unless scaled
+        try:
+            flag = backend.unscale_and_check(grads, s.inv(), False)
+        except ValueError:
+            caps.refuse_fp16(grads)
+            raise
+        check = Check(flag, None, None, self.forensics.hook(pending, backend, s.steps + 1))
+        it.add(check)
+        self.record(pending, grads, check, weak=False)  # held until update()
+        state = it.opt_state(optimizer)
+        result = None if check.verdict(backend.flag_is_set) else optimizer.step(*args,
+                                                                                **kwargs)
+        state.stage = Stage.STEPPED
+        state.checks = [check]
+        return result
 
     def _scaled(self, val: Any, where: str, caps: Caps) -> Any:
         backend = caps.backend
@@ -135,7 +178,7 @@ class ScalerMachine:
 
     def backward(self, gm: Any, y: Any, dy: Any, unscale_grad: bool,
                  update_scale: bool) -> None:
-        caps = self.caps or self._caps()
+        caps = self.caps
         if caps.tracer is not None:
             if unscale_grad:
                 self.refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
@@ -183,7 +226,7 @@ class ScalerMachine:
         overflowed gradients dropped) and unscale_(). ``fresh``: the target's
         parameters, when a backward pass this scaler ran just wrote all their gradients
         (nothing to look up)."""
-        caps = self.caps or self._caps()
+        caps = self.caps
         state = None
         if fresh is None and is_optimizer(target):
             state = self.it.opt_state(target)
@@ -215,10 +258,12 @@ class ScalerMachine:
                 f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
                 f" gradients that were not cleared also adds to unscaled ones."
             )
-        agreement, unscale = False, True
+        solo = self._solo()
+        agreement, unscale = None if solo else False, True
         if pending:
-            agreement, unscale = self._scaled_or_idle(pending, idle, what)
-            distributed.require_synced(backend, pending, f"GradScaler.{what}")
+            agreement, unscale = self._scaled_or_idle(pending, idle, what, solo)
+            if not solo:
+                distributed.require_synced(backend, pending, f"GradScaler.{what}")
         if state is not None:
             self.steps_on_device(target)  # a fused optimizer moves the scale to the device
         # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
@@ -243,7 +288,6 @@ class ScalerMachine:
         the checks that already covered others (from the ledger), and the params with
         neither."""
         caps = self.caps
-        assert caps is not None
         if self.it.records_wait and self.it.late_backward(caps.probes):
             self.ledger.new_backward(caps.version)  # that backward ran after the record
         return self.ledger.split(params, caps.version)
@@ -251,7 +295,6 @@ class ScalerMachine:
     def record(self, params: list[Any], grads: list[Any], check: Check,
                weak: bool) -> None:
         it, caps = self.it, self.caps
-        assert caps is not None
         if params and it.watched and it.waiting(caps.probes):
             # A backward through a scale() output made before this record may run after
             # it: keep the gradients' versions as they are now, to compare with then.
@@ -261,8 +304,8 @@ class ScalerMachine:
             self.ledger.record(params, grads, check, weak=weak)
 
     # -- the misuse checks --------------------------------------------------------------------
-    def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str
-                        ) -> tuple[Any, bool]:
+    def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str,
+                        solo: bool) -> tuple[Any, bool]:
         """Whether ``pending`` may be unscaled: returns ``(agreement, unscale)`` for
         ``check``, or raises if nothing was scaled since the last update.
 
@@ -275,23 +318,28 @@ class ScalerMachine:
         it = self.it
         if it.handed_watched or it.handed_blind:
             self.require_scaled(what)  # raises only if no backward used the scale
-            return False, True
-        agreement = self._plan(pending, idle)
+            return None if solo else False, True
+        agreement = None if solo else self._plan(pending, idle)
         if agreement is None:
             self.require_scaled(what)  # raises
         return agreement, False
 
     def require_scaled(self, what: str) -> None:
         """Raises if unscaling now would shrink gradients that were never scaled."""
-        self.it.require_scaled(what, self.s.value, self._caps().probes)
+        self.it.require_scaled(what, self.s.value, self.caps.probes)
 
     # -- the fused check ----------------------------------------------------------------------
+    def _solo(self) -> bool:
+        """Whether no other rank takes part in this scaler's decisions (no process
+        group given, one process): then no check needs agreement, and nothing waits in
+        a no_sync() window. One question to the adapter."""
+        collectives = self.caps.collectives
+        return self.group is None and (collectives is None
+                                       or collectives.world_group() is None)
+
     def _plan(self, params: list[Any], idle: Sequence[Any]) -> Any:
-        """The cross-rank agreement a check needs (distributed.py), or None; one
-        question to the adapter in a single process."""
-        caps = self.caps
-        if self.group is None and (caps.collectives is None  # type: ignore[union-attr]
-                                   or caps.collectives.world_group() is None):  # type: ignore[union-attr]
+        """The cross-rank agreement a check needs (distributed.py), or None."""
+        if self._solo():
             return None
         return distributed.plan(self.backend, params, list(idle), self.group)
 
@@ -307,7 +355,7 @@ class ScalerMachine:
         ``agreement`` may pass the plan when the caller made it already. ``grads``:
         the gradients of ``params``, where the caller has them already.
         """
-        caps = self.caps or self._caps()
+        caps = self.caps
         backend, s = caps.backend, self.s
         if agreement is False:
             agreement = self._plan(params, idle)
@@ -366,7 +414,7 @@ class ScalerMachine:
             result = optimizer.step(*args, **dict(kwargs, grad_scaler=self.scaler()))
             state.stage = Stage.STEPPED
             return result
-        caps = self.caps or self._caps()
+        caps = self.caps
         # A fused optimizer skips on the device by itself; inside a trace the adapter's
         # device scale skips for any optimizer (_tracing.py).
         fused = caps.resident is not None and self.steps_on_device(optimizer)
@@ -382,19 +430,21 @@ class ScalerMachine:
         checks += [c for c in done if all(c is not k for k in checks)]
         fused_unscale = False
         agreement = None
-        if state.stage is Stage.READY and not pending and idle:
+        solo = self._solo()
+        if state.stage is Stage.READY and not pending and idle and not solo:
             # No gradient here, but another rank may have some: take part in its check.
             agreement = self._plan([], idle)
         if state.stage is Stage.READY and (pending or agreement is not None):
             unscale = True
             if pending:
-                agreement, unscale = self._scaled_or_idle(pending, idle, "step()")
-                distributed.require_synced(caps.backend, pending, "GradScaler.step()")
+                agreement, unscale = self._scaled_or_idle(pending, idle, "step()", solo)
+                if not solo:
+                    distributed.require_synced(caps.backend, pending, "GradScaler.step()")
             # A fused optimizer unscales inside its own kernel (grad_scale), as with
             # torch.amp -- unless some of its gradients were unscaled already.
             fused_unscale = fused and not done and unscale
             check = self.check(pending, grads=grads, idle=idle,
-                               agreement=agreement or False,
+                               agreement=None if solo else agreement or False,
                                unscale=unscale and not fused_unscale, read=False,
                                allow_fp16=fused_unscale)
             if not fused_unscale:
@@ -414,7 +464,7 @@ class ScalerMachine:
         return result
 
     def steps_on_device(self, optimizer: Any) -> bool:
-        resident = self._caps().resident
+        resident = self.caps.resident
         if resident is None or not resident.steps_on_device(optimizer):
             return False
         s = self.s
@@ -453,7 +503,7 @@ class ScalerMachine:
     def update(self, new_scale: Any) -> None:
         if new_scale is not None:
             self.refuse_in_trace("GradScaler.update(new_scale=...)", "write")
-        if self._caps().tracer is not None:
+        if self.caps.tracer is not None:
             self.traced("GradScaler.update()")
         self._update(new_scale)
         self.ledger.new_iteration()

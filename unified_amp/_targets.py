@@ -68,19 +68,21 @@ class OptimizerParams:
     parameter, and a step asks every time."""
 
     def __init__(self) -> None:
-        self._cache: weakref.WeakKeyDictionary[Any, tuple[list, list[Any]]] = \
-            weakref.WeakKeyDictionary()
+        # id(optimizer) -> (a weak reference to it, its groups' shape, its parameters)
+        self._cache: dict[int, tuple[Any, list, list[Any]]] = {}
 
     def __call__(self, optimizer: Any, backend: Any) -> list[Any]:
         shape = [(id(g["params"]), len(g["params"])) for g in optimizer.param_groups]
-        try:
-            cached = self._cache.get(optimizer)
-        except TypeError:  # not weak-referenceable: no cache
-            return params_of(optimizer, backend, "GradScaler.step()")
-        if cached is not None and cached[0] == shape:
-            return cached[1]
+        cached = self._cache.get(id(optimizer))
+        if cached is not None and cached[0]() is optimizer and cached[1] == shape:
+            return cached[2]
         params = params_of(optimizer, backend, "GradScaler.step()")
-        self._cache[optimizer] = (shape, params)
+        key = id(optimizer)
+        try:  # (the entry goes with the optimizer)
+            ref = weakref.ref(optimizer, lambda _: self._cache.pop(key, None))
+        except TypeError:  # not weak-referenceable: no cache
+            return params
+        self._cache[key] = (ref, shape, params)
         return params
 
 

@@ -244,7 +244,7 @@ class GradScaler:
                 f"GradScaler.step() expects an optimizer (an object with param_groups and"
                 f" step()); got {type(optimizer).__name__}."
             )
-        return self._m.step(optimizer, args, kwargs)
+        return self._m.lean_step(optimizer, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import torch
@@ -85,10 +84,8 @@ class _Tape:
                 p.grad = new if old is None else old.add_(new)
 
 
-@functools.lru_cache(maxsize=None)
-def _mul_node() -> type:
-    """The class of autograd's node for ``tensor * tensor`` (what the scale makes)."""
-    return type((torch.ones(1, requires_grad=True) * torch.ones(1)).grad_fn)
+# The class of autograd's node for ``tensor * tensor`` (what the scale makes).
+_MUL_NODE = type((torch.ones(1, requires_grad=True) * torch.ones(1)).grad_fn)
 
 
 def _freed_below(node: Any, limit: int = 32) -> bool:
@@ -142,7 +139,7 @@ class Gradients(interface.Gradients, interface.GradVersions,
         # but not it: autograd leaves that trace at no cost, where a hook called during
         # the backward pass costs about 1% of a small model's step.
         node = tensor.grad_fn
-        return node if type(node) is _mul_node() else None
+        return node if type(node) is _MUL_NODE else None
 
     def backward_ran(self, token: Any) -> bool | None:
         if token._raw_saved_other.data is None:

@@ -48,11 +48,16 @@ def _run_eagerly(cls: type) -> type:
     def eager(name: str, own: Any) -> Any:
         # The class's own override, else the core's method looked up at call time (a
         # patched or overridden one too).
+        resolved: dict[type, Any] = {}
+
         @functools.wraps(own or getattr(GradScaler, name))
         def core(self: Any, *args: Any, **kwargs: Any) -> Any:
             if own is not None:
                 return own(self, *args, **kwargs)
-            return getattr(super(cls, self), name)(*args, **kwargs)
+            result = getattr(super(cls, self), name)(*args, **kwargs)
+            if name == "scale":
+                _note_outputs_device(self, args, kwargs)
+            return result
 
         disabled = torch.compiler.disable(core)
         if not _CHEAP_EAGER:
@@ -67,7 +72,17 @@ def _run_eagerly(cls: type) -> type:
             # and scale/step/update run every step).
             if _frame_evaluator() is not None:
                 return disabled(self, *args, **kwargs)
-            return core(self, *args, **kwargs)
+            if own is not None:  # (core's body, without its frame)
+                return own(self, *args, **kwargs)
+            # The next class's method after cls in this instance's order, resolved once
+            # per class (the core's GradScaler.<name>, unless a subclass put one between).
+            below = resolved.get(type(self))
+            if below is None:
+                below = resolved[type(self)] = getattr(super(cls, type(self)), name)
+            result = below(self, *args, **kwargs)
+            if name == "scale" and self.__dict__.get("_outputs_device") is None:
+                _note_outputs_device(self, args, kwargs)
+            return result
 
         # dynamo never traces into it (a call from compiled code is a graph break, as
         # for a disabled function) nor compiles its frame.
@@ -99,14 +114,6 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
     def _device_scale(self) -> TorchDeviceScale | None:
         # This adapter's device_scale() made it, so it is this adapter's class.
         return cast("TorchDeviceScale | None", self.adapter_view.device_scale)
-
-    def scale(self, outputs: Any) -> Any:
-        out = super().scale(outputs)
-        if self.__dict__.get("_outputs_device") is None:
-            self._outputs_device = _first_tensor_device(outputs)
-        return out
-
-    scale.__doc__ = GradScaler.scale.__doc__
 
     def _torch_device(self) -> torch.device:
         """Where torch.amp's scaler would keep its scale tensor: on the device of the
@@ -256,6 +263,14 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         # torch.amp's kernel sets the flag it is given (a copy per device) to 1 on a find
         return {device: torch.maximum(flag, found_inf.to(device))
                 for device, flag in found.items()}
+
+
+def _note_outputs_device(scaler: Any, args: tuple, kwargs: dict) -> None:
+    """After scale(): the device of the first outputs it scaled, where torch.amp would
+    have made its scale tensor (TorchGradScaler._torch_device)."""
+    if scaler.__dict__.get("_outputs_device") is None:
+        outputs = args[0] if args else kwargs.get("outputs")
+        scaler._outputs_device = _first_tensor_device(outputs)
 
 
 def _first_tensor_device(outputs: Any) -> torch.device | None:

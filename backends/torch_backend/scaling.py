@@ -103,6 +103,9 @@ class LossScaling(interface.LossScaling):
         return _float32_scalar(scale, device, self._scale_cache)
 
     def scale(self, y: torch.Tensor, scale: float) -> torch.Tensor:
+        cached = self._scale_cache.get(y.device)  # (once per step: the cache inline)
+        if cached is not None and cached[0] == scale:
+            return y * cached[1]
         return y * self._scale_tensor(scale, y.device)
 
     def scaled_cotangents(self, ys: Sequence[torch.Tensor], dys: Sequence[Any] | None,
