@@ -82,6 +82,7 @@ def _without_ledger(scaler: Any) -> None:
     ledger.record = lambda *args, **kwargs: None
     ledger.forget = lambda params: None
     ledger.held = lambda params, version: []
+    ledger.begin_backward = lambda params, version: []
 
 
 def _without_forensics(scaler: Any) -> None:
@@ -118,9 +119,7 @@ def _straight_line(scaler: Any, parts: tuple[str, ...]) -> None:
             m._caps().tracer.trace_mode()
         params = gm.attached_tensors()
         if ledger:
-            m.ledger.held(params, version)
-            m.ledger.forget(params)
-            m.ledger.new_backward(version)
+            m.ledger.begin_backward(params, version)
         gm.backward([y], [F.full_like(y, s.value)])
         grads = [p.grad for p in params]
         unscale = backend.unscale_and_check if guard else _unguarded_check

@@ -119,12 +119,15 @@ class _Batch:
         if self.weak:
             return
         self.key  # noqa: B018 -- made from the parameters while they are held
-        ref = weakref.ref
+        ref, grads = weakref.ref, self.grads
         # A recorded gradient is found by its own identity, so its parameter needs no
         # reference; a parameter whose gradient was dropped (None) keeps a weak one.
-        self.params = [ref(p) if g is None else None
-                       for p, g in zip(self.params, self.grads)]
-        self.grads = [g if g is None or g is _ABSENT else ref(g) for g in self.grads]
+        if any(map(_is_none, grads)) or any(map(_is_absent, grads)):
+            self.params = [ref(p) if g is None else None for p, g in zip(self.params, grads)]
+            self.grads = [g if g is None or g is _ABSENT else ref(g) for g in grads]
+        else:  # the usual record: every gradient there
+            self.params = [None] * len(grads)
+            self.grads = list(map(ref, grads))
         self.weak = True
 
     def param(self, j: int, p: Any) -> bool:
@@ -203,6 +206,24 @@ class GradLedger:
         before the next update())."""
         for b in self._batches:
             b.weaken()
+
+    def begin_backward(self, params: list[Any], version: Version) -> list[Any]:
+        """A scaled backward pass into the gradients of ``params`` is about to run (the
+        scaler's own: ``backward(gm, loss)``): returns the gradients that still hold the
+        values a check unscaled (``held``), then ends the records of ``params``
+        (``forget``) and moves the epoch (``new_backward``), in one call.
+
+        Raises:
+            RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
+        """
+        held: list[Any] = []
+        if self._batches:
+            grads = [p.grad for p in params]
+            if not all(map(_is_none, grads)):  # (the usual step: all cleared)
+                held = self.held(params, version)
+            self.forget(params)
+        self.new_backward(version)
+        return held
 
     def forget(self, params: list[Any]) -> None:
         """Ends the records of ``params`` (a backward through them is about to run)."""
@@ -344,6 +365,7 @@ def _no_version(grad: Any) -> None:
 
 
 _is_none = functools.partial(operator.is_, None)
+_is_absent = functools.partial(operator.is_, _ABSENT)
 
 
 def _mixed_error(mixed: int, total: int) -> RuntimeError:

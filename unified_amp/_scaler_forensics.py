@@ -5,6 +5,7 @@ tracing themselves are forensics.py)."""
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import re
@@ -106,7 +107,7 @@ class Forensics:
     def hook(self, params: list[Any], backend: Any, step: int) -> Callable[[], None]:
         """What a check of ``params`` in scaler step ``step`` runs if its verdict reads
         "overflow". Pure Python: a clean check drops it unread."""
-        return lambda: self._report(params, backend, step)
+        return functools.partial(self._report, params, backend, step)
 
     # -- the slow path: only after a check found an inf/NaN ---------------------------
     def _names(self, backend: Any, records: list[Any]) -> dict[int, str]:

@@ -18,9 +18,6 @@ has no record alive when it steps, so it looks nothing up either.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -34,16 +31,6 @@ from ._scaler_state import Caps, ScaleState
 from ._targets import OptimizerParams, each_tensor, is_optimizer, params_of
 
 __all__: list[str] = []
-
-@functools.lru_cache(maxsize=None)
-def _takes_grad_scaler_kwarg(optimizer_class: Any) -> bool:
-    # torch's older contract for optimizers that unscale themselves: the scaler passes
-    # itself as step(grad_scaler=...). Asked once per class: inspect.signature is slow.
-    try:
-        return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
-    except (TypeError, ValueError):
-        return False
-
 
 class ScalerMachine:
     """The state and the operations of one GradScaler (see the module's doc)."""
@@ -133,38 +120,6 @@ class ScalerMachine:
         self.ledger.new_backward(caps.version)  # a backward may follow
         return out
 
-    def lean_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        """step() where the usual torch.amp step needs nothing more: the scale on the
-        host, no trace, no record alive, one process, an optimizer that neither skips by
-        itself nor was unscaled this iteration, and gradients to check. The same
-        decisions as ``step`` in fewer calls (the step's host time is the budget on a
-        small model); anything else goes there."""
-        it, caps, s = self.it, self.caps, self.s
-        if (id(optimizer) in it.opt_states or s.dev is not None or caps.tracer is not None
-                or it.records_wait or not self.ledger.empty()
-                or getattr(optimizer, "_step_supports_amp_scaling", False)):
-            return self.step(optimizer, args, kwargs)
-        backend = caps.backend
-        pending, grads, _, idle = by_grad(self.optimizer_params(optimizer, backend))
-        if not pending or not self._solo():
-            return self.step(optimizer, args, kwargs)
-        if not (it.handed_blind or it.saw_backward):
-            it.require_scaled("step()", s.value, caps.probes)  # raises unless scaled
-        try:
-            flag = backend.unscale_and_check(grads, s.inv(), False)
-        except ValueError:
-            caps.refuse_fp16(grads)
-            raise
-        check = Check(flag, None, None, self.forensics.hook(pending, backend, s.steps + 1))
-        it.add(check)
-        self.record(pending, grads, check, weak=False)  # held until update()
-        state = it.opt_state(optimizer)
-        result = None if check.verdict(backend.flag_is_set) else optimizer.step(*args,
-                                                                                **kwargs)
-        state.stage = Stage.STEPPED
-        state.checks = [check]
-        return result
-
     def _scaled(self, val: Any, where: str, caps: Caps) -> Any:
         backend = caps.backend
         if not backend.is_tensor(val):
@@ -199,15 +154,13 @@ class ScalerMachine:
         else:
             cotangents = backend.scaled_cotangents(ys, dys, s.value)
         attached = params_of(gm, backend, "GradScaler.backward()")
-        held = self.ledger.held(attached, caps.version)
+        # This backward writes a new generation of gm's gradients.
+        held = self.ledger.begin_backward(attached, caps.version)
         if held:  # bring them back to the scale: one unscale afterwards gives the true sum
             if s.dev is not None:
                 s.dev.rescale(held)
             else:  # the fused check-and-multiply kernel, given the scale itself
                 backend.unscale_and_check(held, s.value, True)
-        # This backward writes a new generation of gm's gradients.
-        self.ledger.forget(attached)
-        self.ledger.new_backward(caps.version)
         self.it.handed(None)
         self.forensics.saw_loss(ys)
         gm.backward(ys, cotangents)
@@ -393,76 +346,6 @@ class ScalerMachine:
         return check
 
     # -- stepping -----------------------------------------------------------------------------
-    def step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        state = self.it.opt_state(optimizer)
-        if state.stage is Stage.STEPPED:
-            raise RuntimeError(
-                "step() has already been called since the last update(). Call"
-                " scaler.update() once per iteration, after stepping every optimizer."
-            )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and \
-                _takes_grad_scaler_kwarg(optimizer.__class__):
-            # The optimizer unscales and checks by itself, asking this scaler.
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the"
-                " passed optimizer. In the near future GradScaler registers `grad_scale:"
-                " Tensor` and `found_inf: Tensor` to the passed optimizer and let the"
-                " optimizer use them directly.",
-                FutureWarning,
-                stacklevel=4,
-            )
-            result = optimizer.step(*args, **dict(kwargs, grad_scaler=self.scaler()))
-            state.stage = Stage.STEPPED
-            return result
-        caps = self.caps
-        # A fused optimizer skips on the device by itself; inside a trace the adapter's
-        # device scale skips for any optimizer (_tracing.py).
-        fused = caps.resident is not None and self.steps_on_device(optimizer)
-        on_device = fused or (caps.tracer is not None and self.traced("GradScaler.step()"))
-        params = self.optimizer_params(optimizer, caps.backend)
-        pending, grads, done, idle = self._split(params)
-        if state.stage is Stage.READY and not pending and done and not any(
-                c is k for c in done for k in self.it.checks):
-            # Every gradient was decided by checks that an update() already consumed:
-            # scaler.backward(gm, loss) then step(opt). This step ends that iteration.
-            return self.tail_step(optimizer, done, on_device, args, kwargs)
-        checks = list(state.checks)
-        checks += [c for c in done if all(c is not k for k in checks)]
-        fused_unscale = False
-        agreement = None
-        solo = self._solo()
-        if state.stage is Stage.READY and not pending and idle and not solo:
-            # No gradient here, but another rank may have some: take part in its check.
-            agreement = self._plan([], idle)
-        if state.stage is Stage.READY and (pending or agreement is not None):
-            unscale = True
-            if pending:
-                agreement, unscale = self._scaled_or_idle(pending, idle, "step()", solo)
-                if not solo:
-                    distributed.require_synced(caps.backend, pending, "GradScaler.step()")
-            # A fused optimizer unscales inside its own kernel (grad_scale), as with
-            # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = fused and not done and unscale
-            check = self.check(pending, grads=grads, idle=idle,
-                               agreement=None if solo else agreement or False,
-                               unscale=unscale and not fused_unscale, read=False,
-                               allow_fp16=fused_unscale)
-            if not fused_unscale:
-                # held until update(), which torch.amp's loop calls next
-                self.record(pending, grads, check, weak=False)
-            checks.append(check)
-        if not checks and not fused:
-            raise RuntimeError(
-                "No inf checks were recorded for this optimizer: none of its parameters"
-                " has a gradient. Run the scaled backward pass before"
-                " scaler.step(optimizer)."
-            )
-        result = self.step_unless_found(optimizer, checks, on_device, fused_unscale,
-                                        args, kwargs)
-        state.stage = Stage.STEPPED
-        state.checks = checks  # every check that decided this step
-        return result
-
     def steps_on_device(self, optimizer: Any) -> bool:
         resident = self.caps.resident
         if resident is None or not resident.steps_on_device(optimizer):
@@ -471,33 +354,6 @@ class ScalerMachine:
         if s.dev is None:
             s.dev = resident.device_scale(optimizer, s.value, s.tracker, s.skipped_steps)
         return True
-
-    def step_unless_found(self, optimizer: Any, checks: list[Check], on_device: bool,
-                          fused_unscale: bool, args: tuple, kwargs: dict) -> Any:
-        if any(c.found is True for c in checks):
-            return None
-        if on_device:
-            assert self.s.dev is not None  # steps_on_device() or traced() made it
-            return self.s.dev.step(optimizer, fused_unscale,
-                                   [c.ready() for c in checks if c.flag is not None],
-                                   args, kwargs)
-        read = self.backend.flag_is_set
-        if any(c.verdict(read) for c in checks):  # the one sync per step
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    def tail_step(self, optimizer: Any, checks: list[Check], on_device: bool,
-                  args: tuple, kwargs: dict) -> Any:
-        previous = self.tail.get(id(optimizer))
-        if previous is not None and len(previous) == len(checks) and all(
-                any(c is k for k in previous) for c in checks):
-            raise RuntimeError(
-                "step() has already been called on these gradients: scaler.backward(gm,"
-                " loss) unscaled them and called update(), and scaler.step(optimizer)"
-                " then stepped them once. Run the next backward pass first."
-            )
-        self.tail[id(optimizer)] = checks
-        return self.step_unless_found(optimizer, checks, on_device, False, args, kwargs)
 
     # -- the end of an iteration ----------------------------------------------------------------
     def update(self, new_scale: Any) -> None:
@@ -511,10 +367,10 @@ class ScalerMachine:
     def _update(self, new_scale: Any) -> None:
         if new_scale is not None:
             new_scale = valid_scale(new_scale, "update(new_scale=...)", self.be)
-        elif not self.it.checked():
-            raise self._nothing_checked()
         it = self.it
         checks, checked = it.checks, it.checked()
+        if new_scale is None and not checked:
+            raise self._nothing_checked()
         s = self.s
         if s.dev is not None:
             if checked:
@@ -528,17 +384,21 @@ class ScalerMachine:
                          new_scale=new_scale)
         else:
             read = self.backend.flag_is_set
-            # every verdict read (list, not generator): each check's report must run
-            found = any([c.verdict(read) for c in checks]) or bool(it.folded_found)
-            if new_scale is not None:
-                s.value = new_scale
+            found = bool(it.folded_found)
+            for c in checks:  # every verdict read: each check's report must run
+                if c.verdict(read):
+                    found = True
+            if new_scale is None:
+                s.advance(found, checked)
             else:
-                s.advance(found)
+                s.value = new_scale
+                if checked:
+                    s.count(found)
             if checked:
-                s.count_step(found)
                 self.forensics.counted(found, s.value, s.steps)
         self.updated_by_backward = False
-        self._new_iteration()
+        self.it = Iteration()
+        self.forensics.end_iteration()
 
     def _nothing_checked(self) -> RuntimeError:
         hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"

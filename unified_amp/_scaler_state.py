@@ -87,13 +87,21 @@ class ScaleState:
         # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
         return 1.0 / self.value if self.value else math.inf
 
-    def advance(self, found: bool) -> None:
-        """One update() on the host: torch's float32 rule (_scale_rule.py)."""
-        self.value, self.tracker = next_scale(self.value, self.tracker, found,
-                                              self.growth_factor, self.backoff_factor,
-                                              self.growth_interval)
+    def advance(self, found: bool, counted: bool) -> None:
+        """One update() on the host: torch's float32 rule (_scale_rule.py), and, if
+        ``counted`` (a check preceded it), one step more in the telemetry."""
+        tracker = self.tracker + 1
+        if found or tracker == self.growth_interval:
+            self.value, self.tracker = next_scale(self.value, self.tracker, found,
+                                                  self.growth_factor, self.backoff_factor,
+                                                  self.growth_interval)
+        else:  # the usual clean step: only the tracker moves
+            self.tracker = tracker
+        if counted:
+            self.count(found)
 
-    def count_step(self, skipped: bool) -> None:
+    def count(self, skipped: bool) -> None:
+        """One step more in the telemetry."""
         self.steps += 1
         self.skipped_steps += skipped
         self.last_step_skipped = skipped

@@ -27,8 +27,8 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         TypeError: ``target`` is none of the accepted kinds.
     """
     if hasattr(target, "attached_tensors"):  # amp.GradManager or MegEngine's own
-        # MegEngine's holds tensors weakly: a freed one comes back as None.
-        params = [p for p in target.attached_tensors() if p is not None]
+        # Each tensor once; MegEngine's holds them weakly: a freed one comes back as None.
+        return [p for p in target.attached_tensors() if p is not None]
     elif is_optimizer(target):
         params = [p for group in target.param_groups for p in group["params"]]
     elif backend.is_tensor(target):

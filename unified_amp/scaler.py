@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
-from . import _tracing, distributed
+from . import _scaler_step, _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from ._registry import get_backend
@@ -183,7 +183,7 @@ class GradScaler:
                 f" MegEngine's own) as its first argument; got {type(gm).__name__}{hint}."
             )
         if self._m.enabled:
-            self._m.backward(gm, y, dy, unscale_grad, update_scale)
+            _scaler_step.backward(self._m, gm, y, dy, unscale_grad, update_scale)
         else:
             gm.backward(y, dy)
 
@@ -244,7 +244,7 @@ class GradScaler:
                 f"GradScaler.step() expects an optimizer (an object with param_groups and"
                 f" step()); got {type(optimizer).__name__}."
             )
-        return self._m.lean_step(optimizer, args, kwargs)
+        return _scaler_step.step(self._m, optimizer, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the
