@@ -128,3 +128,31 @@ def test_host_cost_parts_benchmark_takes_each_part_out(tmp_path):
         assert len(times) == 3 and all(t > 0 for t in times), name
     if backend == "megengine":
         assert result["python_call"]["idle_us"]["median"] > 0
+
+
+def test_defaults_cost_benchmark_times_each_swap_beside_a_control(tmp_path):
+    """benchmarks/defaults_cost.py on this backend: the MLP step with each piece of
+    unified_amp swapped in (and a control), MegEngine's automatic and manual steps by
+    tensor count, and the bench's two workloads, each as ratios to the native step."""
+    backend = amp.get_backend().name
+    run_benchmark("defaults_cost", "--out", tmp_path)
+    result = json.loads((tmp_path / f"defaults-cost-{backend}-quick.json").read_text())
+    mlp = result["mlp"]
+    assert list(mlp["ratios"]) == [
+        "control", "the scaler only", "amp.autocast(contract=False) only",
+        "amp.autocast() only", "both, contract off", "both, the defaults"]
+    assert mlp["dtype"] == {"torch": "bfloat16", "megengine": "float16"}[backend]
+    for name, times in mlp["per_round"].items():
+        assert len(times) == 3 and all(t > 0 for t in times), name
+    ratios = [*mlp["ratios"].values(),
+              *(v[key] for v in result["workloads"].values()
+                for key in ("ratio", "control_ratio"))]
+    if backend == "megengine":
+        steps = result["megengine_steps"]
+        assert {form: list(by_n) for form, by_n in steps.items()} == {
+            "automatic": ["10", "100"], "manual": ["10", "100"]}
+        ratios += [v[key] for by_n in steps.values() for v in by_n.values()
+                   for key in ("ratio", "control_ratio")]
+    assert set(result["workloads"]) == {"convnet", "transformer"}
+    for ratio in ratios:
+        assert 0.2 < ratio["median"] < 5.0

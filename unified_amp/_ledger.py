@@ -218,8 +218,7 @@ class GradLedger:
         """
         held: list[Any] = []
         if self._batches:
-            grads = [p.grad for p in params]
-            if not all(map(_is_none, grads)):  # (the usual step: all cleared)
+            if not all(map(_is_none, map(_grad_of, params))):  # (usually all cleared)
                 held = self.held(params, version)
             self.forget(params)
         self.new_backward(version)
@@ -351,7 +350,7 @@ class GradLedger:
 def by_grad(params: list[Any]) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
     """``split`` where the ledger has nothing to say: ``params`` with a gradient and
     those gradients, no checks, and ``params`` without one."""
-    grads = [p.grad for p in params]
+    grads = list(map(_grad_of, params))
     if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
         return params, grads, [], []
     return ([p for p, g in zip(params, grads) if g is not None],
@@ -365,6 +364,7 @@ def _no_version(grad: Any) -> None:
 
 
 _is_none = functools.partial(operator.is_, None)
+_grad_of = operator.attrgetter("grad")  # (map() with it: no Python frame per parameter)
 _is_absent = functools.partial(operator.is_, _ABSENT)
 
 

@@ -8,9 +8,14 @@ once here.
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
+
+
+_is_not_none = functools.partial(operator.is_not, None)
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -28,7 +33,7 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
     """
     if hasattr(target, "attached_tensors"):  # amp.GradManager or MegEngine's own
         # Each tensor once; MegEngine's holds them weakly: a freed one comes back as None.
-        return [p for p in target.attached_tensors() if p is not None]
+        return list(filter(_is_not_none, target.attached_tensors()))
     elif is_optimizer(target):
         params = [p for group in target.param_groups for p in group["params"]]
     elif backend.is_tensor(target):

@@ -45,16 +45,20 @@ _HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get
 
 
 def _run_eagerly(cls: type) -> type:
-    def eager(name: str, own: Any) -> Any:
-        # The class's own override, else the core's method looked up at call time (a
-        # patched or overridden one too).
+    def eager(name: str) -> Any:
+        # The next class's method after cls in the instance's class order: the core's
+        # GradScaler.<name> (unless a subclass put one between), resolved once per class.
         resolved: dict[type, Any] = {}
 
-        @functools.wraps(own or getattr(GradScaler, name))
+        def below(owner: type) -> Any:
+            found = resolved.get(owner)
+            if found is None:
+                found = resolved[owner] = getattr(super(cls, owner), name)
+            return found
+
+        @functools.wraps(getattr(GradScaler, name))
         def core(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if own is not None:
-                return own(self, *args, **kwargs)
-            result = getattr(super(cls, self), name)(*args, **kwargs)
+            result = below(type(self))(self, *args, **kwargs)
             if name == "scale":
                 _note_outputs_device(self, args, kwargs)
             return result
@@ -63,35 +67,37 @@ def _run_eagerly(cls: type) -> type:
         if not _CHEAP_EAGER:
             return disabled
 
-        @functools.wraps(own or getattr(GradScaler, name))
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # Under compiled code (dynamo's frame evaluator installed: a graph-broken
-            # or eagerly run part of a compiled function) through disable(), so that
-            # the core's frames are never compiled; eagerly the core directly, without
-            # the disable wrapper's two frame-evaluator switches (microseconds per call,
-            # and scale/step/update run every step).
-            if _frame_evaluator() is not None:
-                return disabled(self, *args, **kwargs)
-            if own is not None:  # (core's body, without its frame)
-                return own(self, *args, **kwargs)
-            # The next class's method after cls in this instance's order, resolved once
-            # per class (the core's GradScaler.<name>, unless a subclass put one between).
-            below = resolved.get(type(self))
-            if below is None:
-                below = resolved[type(self)] = getattr(super(cls, type(self)), name)
-            result = below(self, *args, **kwargs)
-            if name == "scale" and self.__dict__.get("_outputs_device") is None:
-                _note_outputs_device(self, args, kwargs)
-            return result
+        # Under compiled code (dynamo's frame evaluator installed: a graph-broken or
+        # eagerly run part of a compiled function) through disable(), so that the
+        # core's frames are never compiled; eagerly the core's method directly, without
+        # the disable wrapper's two frame-evaluator switches (microseconds per call, and
+        # scale/step/update run every step).
+        if name == "scale":
+            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if _frame_evaluator() is not None:
+                    return disabled(self, *args, **kwargs)
+                out = (resolved.get(type(self)) or below(type(self)))(self, *args, **kwargs)
+                if self.__dict__.get("_outputs_device") is None:
+                    _note_outputs_device(self, args, kwargs)
+                return out
+        else:
+            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if _frame_evaluator() is not None:
+                    return disabled(self, *args, **kwargs)
+                return (resolved.get(type(self)) or below(type(self)))(self, *args,
+                                                                       **kwargs)
 
+        method = functools.wraps(getattr(GradScaler, name))(method)
         # dynamo never traces into it (a call from compiled code is a graph break, as
         # for a disabled function) nor compiles its frame.
         method._torchdynamo_disable = True  # type: ignore[attr-defined]
         torch._dynamo.eval_frame.skip_code(method.__code__)  # type: ignore[attr-defined]
         return method
 
+    # The class defines none of these itself: every one is the core's.
+    assert not set(_HOST_SIDE) & set(vars(cls)), "an override would be bypassed"
     for name in _HOST_SIDE:
-        setattr(cls, name, eager(name, cls.__dict__.get(name)))
+        setattr(cls, name, eager(name))
     factor = cast(property, inspect.getattr_static(GradScaler, "scale_factor"))
     cls.scale_factor = property(  # type: ignore[attr-defined]
         torch.compiler.disable(factor.fget), torch.compiler.disable(factor.fset),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -10,6 +11,9 @@ from unified_amp import interface
 
 # device -> (a float, that float as a float32 0-dim tensor on the device)
 _Cache = dict[torch.device, tuple[float, torch.Tensor]]
+_device_of = operator.attrgetter("device")
+_dtype_of = operator.attrgetter("dtype")
+_is_sparse = operator.attrgetter("is_sparse")
 
 
 def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any,
@@ -21,7 +25,11 @@ def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any,
     is kept between calls (the kernel only reads it). ``allow_float16`` False: a
     float16 gradient raises ValueError before any kernel runs."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
+    devices, dtypes = set(map(_device_of, grads)), set(map(_dtype_of, grads))
+    if len(devices) == 1 and len(dtypes) == 1 and not any(map(_is_sparse, grads)):
+        # The usual case, one kernel call: found without a Python step per gradient.
+        groups[(devices.pop(), dtypes.pop())] = list(grads)
+    for g in grads if not groups else ():
         if g.is_sparse:
             g = g._values()
         key = (g.device, g.dtype)
