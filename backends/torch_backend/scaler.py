@@ -45,20 +45,21 @@ _HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get
 
 
 def _run_eagerly(cls: type) -> type:
+    # Classes whose next class after cls is the core's GradScaler (so its method, looked
+    # up at call time, patched or not, is the one super() would find): decided once each.
+    direct: dict[type, bool] = {}
+
+    def next_is_core(owner: type) -> bool:
+        known = direct.get(owner)
+        if known is None:
+            mro = owner.__mro__
+            known = direct[owner] = mro[mro.index(cls) + 1] is GradScaler
+        return known
+
     def eager(name: str) -> Any:
-        # The next class's method after cls in the instance's class order: the core's
-        # GradScaler.<name> (unless a subclass put one between), resolved once per class.
-        resolved: dict[type, Any] = {}
-
-        def below(owner: type) -> Any:
-            found = resolved.get(owner)
-            if found is None:
-                found = resolved[owner] = getattr(super(cls, owner), name)
-            return found
-
         @functools.wraps(getattr(GradScaler, name))
         def core(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = below(type(self))(self, *args, **kwargs)
+            result = getattr(super(cls, self), name)(*args, **kwargs)
             if name == "scale":
                 _note_outputs_device(self, args, kwargs)
             return result
@@ -76,7 +77,9 @@ def _run_eagerly(cls: type) -> type:
             def method(self: Any, *args: Any, **kwargs: Any) -> Any:
                 if _frame_evaluator() is not None:
                     return disabled(self, *args, **kwargs)
-                out = (resolved.get(type(self)) or below(type(self)))(self, *args, **kwargs)
+                if not next_is_core(type(self)):
+                    return core(self, *args, **kwargs)
+                out = getattr(GradScaler, name)(self, *args, **kwargs)
                 if self.__dict__.get("_outputs_device") is None:
                     _note_outputs_device(self, args, kwargs)
                 return out
@@ -84,8 +87,9 @@ def _run_eagerly(cls: type) -> type:
             def method(self: Any, *args: Any, **kwargs: Any) -> Any:
                 if _frame_evaluator() is not None:
                     return disabled(self, *args, **kwargs)
-                return (resolved.get(type(self)) or below(type(self)))(self, *args,
-                                                                       **kwargs)
+                if not next_is_core(type(self)):
+                    return core(self, *args, **kwargs)
+                return getattr(GradScaler, name)(self, *args, **kwargs)
 
         method = functools.wraps(getattr(GradScaler, name))(method)
         # dynamo never traces into it (a call from compiled code is a graph break, as
