@@ -127,38 +127,6 @@ def mlp_table(kit: Any, backend: str, dtype: str, rounds: int, steps: int, warmu
             "per_round": times}
 
 
-def _megengine_manual_loop(n: int, scaler: Any) -> Callable[[int], float]:
-    """megengine.amp's manual form on host_cost's n-tensor loop, timed as its
-    automatic loop is (blocks between syncs, CPU time of this thread)."""
-    import megengine as mge
-    import megengine.functional as F
-    import megengine.optimizer as O
-    from megengine.autodiff import GradManager
-
-    from .host_cost import ELEMENTS
-
-    rng = np.random.RandomState(n)
-    params = [mge.Parameter(rng.randn(ELEMENTS).astype("float32")) for _ in range(n)]
-    weights = mge.tensor(rng.rand(n * ELEMENTS).astype("float32"))
-    gm = GradManager().attach(params)
-    opt = O.SGD(params, lr=1e-3, momentum=0.9)
-
-    def block(k: int) -> float:
-        mge._full_sync()
-        t0 = _clock()
-        for _ in range(k):
-            with gm:
-                loss = (F.concat([p.flatten() for p in params]) * weights).sum()
-                gm.backward(loss, dy=mge.tensor(scaler.scale_factor))
-            scaler.unscale(gm.attached_tensors())
-            scaler.update()
-            opt.step().clear_grad()
-        mge._full_sync()
-        return (_clock() - t0) / k if k else 0.0
-
-    return block
-
-
 def megengine_steps(tensors: tuple[int, ...], rounds: int, steps: int, warmup: int
                     ) -> dict[str, Any]:
     """Part 2: MegEngine's automatic and manual steps by parameter tensors."""
@@ -166,7 +134,7 @@ def megengine_steps(tensors: tuple[int, ...], rounds: int, steps: int, warmup: i
 
     out: dict[str, Any] = {}
     loops = {"automatic": lambda n, s: _megengine_loop(n, "sgd", s),
-             "manual": _megengine_manual_loop}
+             "manual": lambda n, s: _megengine_loop(n, "sgd", s, manual=True)}
     for turn, (form, loop) in enumerate(loops.items()):
         out[form] = {}
         for n in tensors:
