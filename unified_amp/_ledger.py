@@ -161,6 +161,7 @@ class GradLedger:
     def __init__(self) -> None:
         self._batches: list[_Batch] = []  # oldest first; a newer record shadows an older
         self.epoch = 0  # scaled backward passes seen (or announced) so far
+        self._strong = False  # some batch holds its gradients (weaken() has work)
 
     def new_backward(self, version: Version = None) -> None:  # type: ignore[assignment]
         """A scaled backward pass is about to run (or ran, unseen).
@@ -199,13 +200,17 @@ class GradLedger:
         batch = _Batch(params, grads, versions, self.epoch, check)
         if weak:
             batch.weaken()
+        else:
+            self._strong = True
         self._batches.append(batch)
 
     def weaken(self) -> None:
         """From now on hold no gradient alive (a backward or a forward may follow
         before the next update())."""
-        for b in self._batches:
-            b.weaken()
+        if self._strong:
+            for b in self._batches:
+                b.weaken()
+            self._strong = False
 
     def begin_backward(self, params: list[Any], version: Version) -> list[Any]:
         """A scaled backward pass into the gradients of ``params`` is about to run (the

@@ -97,8 +97,11 @@ class ScaleState:
                                                   self.growth_interval)
         else:  # the usual clean step: only the tracker moves
             self.tracker = tracker
-        if counted:
-            self.count(found)
+        if counted:  # (count() written out: every step)
+            self.steps += 1
+            self.skipped_steps += found
+            self.last_step_skipped = found
+            self.as_of_step = self.steps
 
     def count(self, skipped: bool) -> None:
         """One step more in the telemetry."""
