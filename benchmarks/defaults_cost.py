@@ -25,6 +25,10 @@ machine's noise alone makes of 1.0.
 3. **The bench's conv net and transformer block** (``benchmarks.workloads``):
    unified_amp's automatic step (``benchmarks.steps.unified_step``) against the native
    AMP step, in wall time per step (``benchmarks.timing.interleaved``).
+4. **Python work per step**, which no load on the machine changes: the Python bytecodes
+   executed per step (``sys.settrace`` opcode events, framework code included), native
+   and with unified_amp's scaler, on the MLP step and (MegEngine) the automatic step by
+   tensor count.
 
 On MegEngine the unified scalers start from megengine.amp's scale (2**4), so both skip
 the same steps; the per-step work does not depend on the scale.
@@ -181,6 +185,48 @@ def workloads(kit: Any, backend: str, dtype: str, mode: str, seed: int) -> dict[
     return out
 
 
+def _opcodes(block: Callable[[int], float], steps: int) -> float:
+    """Python bytecodes executed per step by ``block(steps)``."""
+    count = [0]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[0] += 1
+        return tracer
+
+    block(1)  # first-call work (caches, lazy imports) is not a step's
+    sys.settrace(tracer)
+    try:
+        block(steps)
+    finally:
+        sys.settrace(None)
+    return count[0] / steps
+
+
+def python_work(kit: Any, backend: str, dtype: str, tensors: tuple[int, ...],
+                steps: int) -> dict[str, Any]:
+    """Part 4: bytecodes per step, native and with unified_amp's scaler."""
+    out: dict[str, Any] = {"mlp": {
+        "native": _opcodes(_blocks(kit, kit.native_step(_mlp(kit, 0), dtype)), steps),
+        "unified scaler": _opcodes(_blocks(kit, kit.native_step(
+            _mlp(kit, 0), dtype, scaler=_scaler(backend))), steps)}}
+    if backend == "megengine":
+        import megengine.amp
+
+        for n in tensors:
+            out[f"automatic {n}"] = {
+                "native": _opcodes(_megengine_loop(
+                    n, "sgd", megengine.amp.GradScaler(init_scale=2.0**4)), steps),
+                "unified scaler": _opcodes(_megengine_loop(
+                    n, "sgd", amp.GradScaler(init_scale=2.0**4)), steps)}
+    for name, v in out.items():
+        print(f"  {name + ': Python bytecodes per step':42s} native {v['native']:8.0f}"
+              f"  unified scaler {v['unified scaler']:8.0f}"
+              f"  ({v['unified scaler'] - v['native']:+.0f})", flush=True)
+    return out
+
+
 def _fmt(r: dict[str, float]) -> str:
     return f"{r['median']:.3f} [{r['q1']:.2f}-{r['q3']:.2f}]"
 
@@ -212,6 +258,10 @@ def table(result: dict[str, Any]) -> str:
     for name, v in result["workloads"].items():
         label = f"{name} step (unified automatic mode)"
         lines.append(f"  {label:46s} {_fmt(v['ratio'])}   control {_fmt(v['control_ratio'])}")
+    for name, v in result["python_work"].items():
+        label = f"{name}: bytecodes per step, unified scaler"
+        lines.append(f"  {label:46s} {v['unified scaler'] - v['native']:+.0f} over native"
+                     f" {v['native']:.0f}")
     return "\n".join(lines)
 
 
@@ -253,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "megengine":
         result["megengine_steps"] = megengine_steps(tensors, step_rounds, 2, args.warmup)
     result["workloads"] = workloads(kit, backend, dtype, mode, seed=0)
+    result["python_work"] = python_work(kit, backend, dtype, tensors, 2 if args.quick else 10)
     result.update(runtime_s=time.time() - started, loadavg_before=load_before,
                   loadavg_after=loadavg(),
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -156,3 +156,7 @@ def test_defaults_cost_benchmark_times_each_swap_beside_a_control(tmp_path):
     assert set(result["workloads"]) == {"convnet", "transformer"}
     for ratio in ratios:
         assert 0.2 < ratio["median"] < 5.0
+    work = result["python_work"]
+    assert set(work) == {"mlp", *(("automatic 10", "automatic 100") if backend == "megengine"
+                                  else ())}
+    assert all(v["native"] > 100 and v["unified scaler"] > 100 for v in work.values())

@@ -4,16 +4,16 @@
 (``ScaleState``, _scaler_state.py), per-optimizer stages, the checks since the last
 ``update()``, the ledger of unscaled gradient generations (_ledger.py), the overflow
 reports (_scaler_forensics.py) -- and runs the loop's operations on it: ``scale``,
-``backward``, ``unscale``, ``step``, ``update``. Each one splits a target's gradients
-into still-scaled / already-checked / idle (the ledger), refuses an unscale that would be
-wrong, runs one fused check (agreed across ranks where needed: distributed.py), steps
-unless a check found an inf/NaN, and ends the iteration in ``_update``.
+``backward``, ``unscale``, ``update`` (``step`` and the usual ``backward(gm, loss)`` are
+_scaler_step.py's, on this machine). Each splits a target's gradients into
+still-scaled / already-checked / idle (the ledger), refuses an unscale that would be
+wrong, runs one fused check (``check``: agreed across ranks where needed,
+distributed.py), and ``finish`` ends the iteration.
 
 Where the usual step needs nothing of a part, it pays nothing for it: one process asks
 the adapter once whether there are other ranks; an adapter without traces never asks
-about them; ``scaler.backward(gm, loss)`` knows that the gradients its own backward pass
-just wrote are all new, so it looks nothing up in the ledger; the usual torch.amp step
-has no record alive when it steps, so it looks nothing up either.
+about them; the usual torch.amp step has no record alive when it steps, so it looks
+nothing up.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ._scaler_state import Caps, ScaleState
 from ._targets import OptimizerParams, each_tensor, is_optimizer, params_of
 
 __all__: list[str] = []
+
 
 class ScalerMachine:
     """The state and the operations of one GradScaler (see the module's doc)."""
@@ -54,7 +55,7 @@ class ScalerMachine:
         self.scaler = weakref.ref(scaler)  # its public get_scale(), for reports
         self._new_iteration()
         if enabled:
-            self._caps()  # an adapter with traces keeps a device copy of the scale
+            self._caps()  # (an adapter with traces calls flush_trace_copy from now on)
 
     # -- the adapter ----------------------------------------------------------------------
     def be(self) -> Any:
@@ -168,7 +169,7 @@ class ScalerMachine:
             # Every attached gradient is new: the ledger has nothing to say about them.
             self.unscale(gm, "unscale()", True, attached)
             if update_scale:
-                self._update(None)  # not the user's: the ledger's iteration goes on
+                self.finish(None)  # not the user's: the ledger's iteration goes on
                 self.updated_by_backward = True
             self.ledger.weaken()  # the user's step, zero_grad and next forward follow
 
@@ -198,7 +199,7 @@ class ScalerMachine:
         if fresh is None:
             params = params_of(target, backend, f"GradScaler.{what}")
             distributed.note_module(backend, target)
-            pending, grads, done, idle = self._split(params)
+            pending, grads, done, idle = self.split(params)
         else:
             pending, grads, done, idle = by_grad(fresh)
         if done:
@@ -211,10 +212,10 @@ class ScalerMachine:
                 f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
                 f" gradients that were not cleared also adds to unscaled ones."
             )
-        solo = self._solo()
+        solo = self.solo()
         agreement, unscale = None if solo else False, True
         if pending:
-            agreement, unscale = self._scaled_or_idle(pending, idle, what, solo)
+            agreement, unscale = self.scaled_or_idle(pending, idle, what, solo)
             if not solo:
                 distributed.require_synced(backend, pending, f"GradScaler.{what}")
         if state is not None:
@@ -235,8 +236,8 @@ class ScalerMachine:
             state.stage = Stage.UNSCALED
             state.checks.append(check)
 
-    def _split(self, params: list[Any]
-               ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+    def split(self, params: list[Any]
+              ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
         """``params`` with a gradient that still needs unscaling and those gradients,
         the checks that already covered others (from the ledger), and the params with
         neither."""
@@ -257,8 +258,8 @@ class ScalerMachine:
             self.ledger.record(params, grads, check, weak=weak)
 
     # -- the misuse checks --------------------------------------------------------------------
-    def _scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str,
-                        solo: bool) -> tuple[Any, bool]:
+    def scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str,
+                       solo: bool) -> tuple[Any, bool]:
         """Whether ``pending`` may be unscaled: returns ``(agreement, unscale)`` for
         ``check``, or raises if nothing was scaled since the last update.
 
@@ -272,7 +273,7 @@ class ScalerMachine:
         if it.handed_watched or it.handed_blind:
             self.require_scaled(what)  # raises only if no backward used the scale
             return None if solo else False, True
-        agreement = None if solo else self._plan(pending, idle)
+        agreement = None if solo else self.plan(pending, idle)
         if agreement is None:
             self.require_scaled(what)  # raises
         return agreement, False
@@ -282,7 +283,7 @@ class ScalerMachine:
         self.it.require_scaled(what, self.s.value, self.caps.probes)
 
     # -- the fused check ----------------------------------------------------------------------
-    def _solo(self) -> bool:
+    def solo(self) -> bool:
         """Whether no other rank takes part in this scaler's decisions (no process
         group given, one process): then no check needs agreement, and nothing waits in
         a no_sync() window. One question to the adapter."""
@@ -290,9 +291,9 @@ class ScalerMachine:
         return self.group is None and (collectives is None
                                        or collectives.world_group() is None)
 
-    def _plan(self, params: list[Any], idle: Sequence[Any]) -> Any:
+    def plan(self, params: list[Any], idle: Sequence[Any]) -> Any:
         """The cross-rank agreement a check needs (distributed.py), or None."""
-        if self._solo():
+        if self.solo():
             return None
         return distributed.plan(self.backend, params, list(idle), self.group)
 
@@ -311,7 +312,7 @@ class ScalerMachine:
         caps = self.caps
         backend, s = caps.backend, self.s
         if agreement is False:
-            agreement = self._plan(params, idle)
+            agreement = self.plan(params, idle)
         if grads is None:
             grads = backend.grads(params)
         if agreement is not None and agreement.standins:
@@ -361,10 +362,10 @@ class ScalerMachine:
             self.refuse_in_trace("GradScaler.update(new_scale=...)", "write")
         if self.caps.tracer is not None:
             self.traced("GradScaler.update()")
-        self._update(new_scale)
+        self.finish(new_scale)
         self.ledger.new_iteration()
 
-    def _update(self, new_scale: Any) -> None:
+    def finish(self, new_scale: Any) -> None:
         if new_scale is not None:
             new_scale = valid_scale(new_scale, "update(new_scale=...)", self.be)
         it = self.it

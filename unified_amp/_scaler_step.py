@@ -17,6 +17,7 @@ from typing import Any
 
 from . import distributed
 from ._ledger import Check, by_grad
+from ._scaler_forensics import _user_stacklevel
 from ._scaler_iteration import Iteration, Stage
 from ._scaler_machine import ScalerMachine
 from ._targets import params_of
@@ -43,7 +44,7 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
     tracer = caps.tracer
     if (not (unscale_grad and update_scale) or dy is not None or s.dev is not None
             or (tracer is not None and tracer.trace_mode() is not None)
-            or not m._solo()):
+            or not m.solo()):
         return m.backward(gm, y, dy, unscale_grad, update_scale)
     backend, ledger, version = caps.backend, m.ledger, caps.version
     ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
@@ -64,10 +65,11 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
         except ValueError:
             caps.refuse_fp16(grads)
             raise
-        check = Check(flag, None, None, m.forensics.hook(pending, backend,
-                                                            s.steps + 1))
+        check = Check(flag, None, None,
+                      m.forensics.hook(pending, backend, s.steps + 1))
         it.add(check)
         found = check.verdict(backend.flag_is_set)  # the one sync
+        check.flag = None  # read: the verdict is all that is needed of it from now on
         if found:
             backend.drop_grads(pending)
             grads = [None] * len(pending)
@@ -85,7 +87,7 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
         m.it = Iteration()
         m.forensics.end_iteration()
     else:
-        m._update(None)  # not the user's: the ledger's iteration goes on
+        m.finish(None)  # not the user's: the ledger's iteration goes on
     m.updated_by_backward = True
     ledger.weaken()  # the user's step, zero_grad and next forward follow
 
@@ -102,7 +104,7 @@ def step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         return _step(m, optimizer, args, kwargs)
     backend = caps.backend
     pending, grads, _, idle = by_grad(m.optimizer_params(optimizer, backend))
-    if not pending or not m._solo():
+    if not pending or not m.solo():
         return _step(m, optimizer, args, kwargs)
     if not (it.handed_blind or it.saw_backward):
         it.require_scaled("step()", s.value, caps.probes)  # raises unless scaled
@@ -138,7 +140,7 @@ def _step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
             " Tensor` and `found_inf: Tensor` to the passed optimizer and let the"
             " optimizer use them directly.",
             FutureWarning,
-            stacklevel=4,
+            stacklevel=_user_stacklevel(),
         )
         result = optimizer.step(*args, **dict(kwargs, grad_scaler=m.scaler()))
         state.stage = Stage.STEPPED
@@ -149,7 +151,7 @@ def _step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
     fused = caps.resident is not None and m.steps_on_device(optimizer)
     on_device = fused or (caps.tracer is not None and m.traced("GradScaler.step()"))
     params = m.optimizer_params(optimizer, caps.backend)
-    pending, grads, done, idle = m._split(params)
+    pending, grads, done, idle = m.split(params)
     if state.stage is Stage.READY and not pending and done and not any(
             c is k for c in done for k in m.it.checks):
         # Every gradient was decided by checks that an update() already consumed:
@@ -159,23 +161,23 @@ def _step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
     checks += [c for c in done if all(c is not k for k in checks)]
     fused_unscale = False
     agreement = None
-    solo = m._solo()
+    solo = m.solo()
     if state.stage is Stage.READY and not pending and idle and not solo:
         # No gradient here, but another rank may have some: take part in its check.
-        agreement = m._plan([], idle)
+        agreement = m.plan([], idle)
     if state.stage is Stage.READY and (pending or agreement is not None):
         unscale = True
         if pending:
-            agreement, unscale = m._scaled_or_idle(pending, idle, "step()", solo)
+            agreement, unscale = m.scaled_or_idle(pending, idle, "step()", solo)
             if not solo:
                 distributed.require_synced(caps.backend, pending, "GradScaler.step()")
         # A fused optimizer unscales inside its own kernel (grad_scale), as with
         # torch.amp -- unless some of its gradients were unscaled already.
         fused_unscale = fused and not done and unscale
         check = m.check(pending, grads=grads, idle=idle,
-                           agreement=None if solo else agreement or False,
-                           unscale=unscale and not fused_unscale, read=False,
-                           allow_fp16=fused_unscale)
+                        agreement=None if solo else agreement or False,
+                        unscale=unscale and not fused_unscale, read=False,
+                        allow_fp16=fused_unscale)
         if not fused_unscale:
             # held until update(), which torch.amp's loop calls next
             m.record(pending, grads, check, weak=False)
@@ -186,8 +188,8 @@ def _step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
             " has a gradient. Run the scaled backward pass before"
             " scaler.step(optimizer)."
         )
-    result = _step_unless_found(m, optimizer, checks, on_device, fused_unscale,
-                                    args, kwargs)
+    result = _step_unless_found(m, optimizer, checks, on_device, fused_unscale, args,
+                                kwargs)
     state.stage = Stage.STEPPED
     state.checks = checks  # every check that decided this step
     return result
@@ -201,12 +203,13 @@ def _step_unless_found(m: ScalerMachine, optimizer: Any, checks: list[Check],
     if on_device:
         assert m.s.dev is not None  # steps_on_device() or traced() made it
         return m.s.dev.step(optimizer, fused_unscale,
-                               [c.ready() for c in checks if c.flag is not None],
-                               args, kwargs)
+                            [c.ready() for c in checks if c.flag is not None],
+                            args, kwargs)
     read = m.backend.flag_is_set
     if any(c.verdict(read) for c in checks):  # the one sync per step
         return None
     return optimizer.step(*args, **kwargs)
+
 
 def _tail_step(m: ScalerMachine, optimizer: Any, checks: list[Check], on_device: bool,
                args: tuple, kwargs: dict) -> Any:
