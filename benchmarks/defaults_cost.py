@@ -91,22 +91,25 @@ def _mlp(kit: Any, seed: int) -> Workload:
 
 
 def _blocks(kit: Any, step: Callable[[], Any]) -> Callable[[int], float]:
-    """A block runner for host_cost's _interleave: ``k`` steps between two syncs, in
-    CPU time of this thread per step."""
+    """A block runner for host_cost's _interleave: ``k`` steps between two syncs, per
+    step in CPU time of this thread (on a GPU in wall time: there the host waits for
+    the device, and a launch-bound step is one the device waits for)."""
+    clock = _clock if kit.device == "cpu" else time.perf_counter
+
     def block(k: int) -> float:
         kit.synchronize()
-        t0 = _clock()
+        t0 = clock()
         for _ in range(k):
             step()
         kit.synchronize()
-        return (_clock() - t0) / k if k else 0.0
+        return (clock() - t0) / k if k else 0.0
 
     return block
 
 
-def _scaler(backend: str) -> Any:
+def _scaler(backend: str, device: str) -> Any:
     # Each native's call form; on MegEngine megengine.amp's starting scale (see above).
-    return amp.GradScaler("cpu") if backend == "torch" else amp.GradScaler(init_scale=2.0**4)
+    return amp.GradScaler(device) if backend == "torch" else amp.GradScaler(init_scale=2.0**4)
 
 
 def mlp_table(kit: Any, backend: str, dtype: str, rounds: int, steps: int, warmup: int,
@@ -118,7 +121,7 @@ def mlp_table(kit: Any, backend: str, dtype: str, rounds: int, steps: int, warmu
             return _blocks(kit, kit.native_step(w, dtype))
         _, scaler, autocast, contract = next(r for r in ROWS if r[0] == name)
         return _blocks(kit, kit.native_step(
-            w, dtype, scaler=_scaler(backend) if scaler else None,
+            w, dtype, scaler=_scaler(backend, kit.device) if scaler else None,
             autocast=(lambda: amp.autocast(contract=contract)) if autocast else None))
 
     names = ["native", "control", *(r[0] for r in ROWS)]
@@ -210,8 +213,8 @@ def python_work(kit: Any, backend: str, dtype: str, tensors: tuple[int, ...],
     out: dict[str, Any] = {"mlp": {
         "native": _opcodes(_blocks(kit, kit.native_step(_mlp(kit, 0), dtype)), steps),
         "unified scaler": _opcodes(_blocks(kit, kit.native_step(
-            _mlp(kit, 0), dtype, scaler=_scaler(backend))), steps)}}
-    if backend == "megengine":
+            _mlp(kit, 0), dtype, scaler=_scaler(backend, kit.device))), steps)}}
+    if backend == "megengine" and kit.device == "cpu":
         import megengine.amp
 
         for n in tensors:
@@ -241,7 +244,7 @@ def table(result: dict[str, Any]) -> str:
     mlp = result["mlp"]
     lines = [f"{result['backend']} {result['framework_version']}: ratio to the native AMP"
              f" step, median [IQR] over interleaved rounds",
-             f"MLP 6x{WIDTH}, batch {BATCH}, {mlp['dtype']}, one thread (native"
+             f"MLP 6x{WIDTH}, batch {BATCH}, {mlp['dtype']}, {result['device']} (native"
              f" {mlp['native_step_s']['median'] * 1e3:.3f} ms per step):"]
     for name, ratio in mlp["ratios"].items():
         label = "nothing (a second native copy: the control)" if name == "control" else name
@@ -276,12 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 3 rounds, 10 and 100 tensors, tiny workloads")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the MLP and the workloads on the GPU (wall time)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     backend = amp.get_backend().name
-    kit = importlib.import_module(f".{backend}_kit", __package__).Kit("cpu")
+    kit = importlib.import_module(f".{backend}_kit", __package__).Kit(args.device)
     kit.threads(1)  # one thread: a shared machine, and a launch-bound step
-    dtype = "bfloat16" if backend == "torch" else "float16"  # amp.autocast()'s CPU default
+    # amp.autocast()'s default: on CPU bfloat16 on torch, float16 on MegEngine
+    dtype = "bfloat16" if backend == "torch" and kit.device == "cpu" else "float16"
     rounds = args.rounds or (41 if backend == "torch" else 21)
     steps = args.steps or (10 if backend == "torch" else 4)
     tensors, step_rounds, mode = TENSORS, args.step_rounds, "full"
@@ -293,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{command}: {rounds} rounds x {steps} MLP steps", flush=True)
     result: dict[str, Any] = {
         "backend": backend, "framework_version": machine_info(kit)["framework_version"],
+        "device": "one CPU thread" if kit.device == "cpu" else kit.device,
         "command": command, "machine": machine_info(kit),
         "config": {"mlp": {"width": WIDTH, "depth": DEPTH, "batch": BATCH, "dtype": dtype,
                            "rounds": rounds, "steps": steps, "warmup": args.warmup},
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS[backend]}
     result["mlp"] = mlp_table(kit, backend, dtype, rounds, steps, args.warmup,
                               turn=int(started))
-    if backend == "megengine":
+    if backend == "megengine" and kit.device == "cpu":
         result["megengine_steps"] = megengine_steps(tensors, step_rounds, 2, args.warmup)
     result["workloads"] = workloads(kit, backend, dtype, mode, seed=0)
     result["python_work"] = python_work(kit, backend, dtype, tensors, 2 if args.quick else 10)
@@ -309,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     print(table(result))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"defaults-cost-{backend}{'-quick' if args.quick else ''}.json"
+    device = "" if kit.device == "cpu" else f"-{kit.device}"
+    path = args.out / f"defaults-cost-{backend}{device}{'-quick' if args.quick else ''}.json"
     write_json(result, path)
     print(f"wrote {path}")
     return 0
