@@ -44,9 +44,9 @@ class DeviceScale(interface.TracedScale):
     MegEngine tensors, with the step's check, skip and scale update as device ops."""
 
     def __init__(self, scale: float, tracker: int, skipped: int):
-        # The core makes this with the scaler, outside any trace: a tensor made part-way
-        # through a traced call breaks the next calls ("expect external node, got
-        # internal"). exclude_from_trace() only guards a call from inside one.
+        # The core makes this right before a traced call starts, outside it: a tensor
+        # made part-way through a traced call breaks the next calls ("expect external
+        # node, got internal"). exclude_from_trace() only guards a call from inside one.
         with exclude_from_trace():
             self.scale_t = megengine.tensor(scale, dtype="float32")
             self.tracker_t = megengine.tensor(tracker, dtype="int32")
