@@ -149,7 +149,10 @@ def _torch_scalers() -> tuple[Callable[[], Any], Callable[[], Any]]:
 
 
 # -- MegEngine ----------------------------------------------------------------------------
-def _megengine_loop(n: int, optimizer: str, scaler: Any) -> Callable[[int], float]:
+def _megengine_loop(n: int, optimizer: str, scaler: Any,
+                    manual: bool = False) -> Callable[[int], float]:
+    """``manual``: megengine.amp's manual form instead of ``scaler.backward(gm, loss)``:
+    ``gm.backward(loss, dy=scale_factor)``, ``scaler.unscale(params)``, ``update()``."""
     import megengine as mge
     import megengine.functional as F
     import megengine.optimizer as O
@@ -168,7 +171,13 @@ def _megengine_loop(n: int, optimizer: str, scaler: Any) -> Callable[[int], floa
         for _ in range(k):
             with gm:
                 loss = (F.concat([p.flatten() for p in params]) * weights).sum()
-                scaler.backward(gm, loss)
+                if manual:
+                    gm.backward(loss, dy=mge.tensor(scaler.scale_factor))
+                else:
+                    scaler.backward(gm, loss)
+            if manual:
+                scaler.unscale(gm.attached_tensors())
+                scaler.update()
             opt.step().clear_grad()
         mge._full_sync()
         return (_clock() - t0) / k if k else 0.0

@@ -7,26 +7,27 @@ its work taken out at a time, then with all of them out:
 
 - MegEngine: the automatic step (``scaler.backward(gm, loss)``,
   ``opt.step().clear_grad()``, SGD on 10 and 100 parameter tensors, timed in blocks
-  between syncs). Parts: ``trace copy`` (the device copy of the scale that a later
-  ``megengine.jit.trace`` step starts from, written on every eager step),
-  ``float32/device guard`` (reading each gradient's dtype and device before MegEngine's
-  fused check, which would abort the process on a non-float32 gradient or a mix of
-  devices; the check itself stays), ``ledger`` (the record of which gradients a check
-  unscaled: the double-unscale and accumulation errors, and rescaling held gradients
-  before an accumulating backward), ``forensics`` (the overflow report's loss, hook and
-  skipped-run counter).
+  between syncs). Parts: ``float32/device guard`` (reading each gradient's dtype and
+  device before MegEngine's fused check, which would abort the process on a
+  non-float32 gradient or a mix of devices; the check itself stays), ``ledger`` (the
+  record of which gradients a check unscaled: the double-unscale and accumulation
+  errors, and rescaling held gradients before an accumulating backward), ``forensics``
+  (the overflow report's loss, hook and skipped-run counter), ``trace checks`` (asking
+  whether a ``megengine.jit.trace`` is running). The device copy of the scale that a
+  traced step starts from is written only right before a trace starts, so an eager
+  step has no part for it.
 - torch: the whole training step of the 6 x Linear(256, 256) MLP. Parts: ``backward
-  watch`` (the pre-hook on the scaled loss's ``grad_fn`` behind the "backward on the
-  unscaled loss" error), ``ledger``, ``forensics``, ``float16 scan`` (the dtype check
-  before the fused unscale), ``trace checks`` (asking whether a trace is running).
+  watch`` (the scaled loss's autograd node kept, and asked once per step whether a
+  backward pass freed it: behind the "backward on the unscaled loss" error),
+  ``ledger``, ``forensics``.
 
 On MegEngine two more variants bound what any design of these parts could reach:
 ``straight line`` replaces ``scaler.backward`` with megengine.amp's own steps written
 out on the scaler's state (cotangents, backward, the fused check, the read, the drop,
 the scale rule) and nothing else; ``straight line + <part>`` adds one part to it, and
 ``straight line + all`` the four, each written inline (the adapter's guarded check,
-the trace-copy write, the ledger's held/forget/record, the forensics hook). Neither is
-a scaler: no stages, no trace-mode, distributed or error checks.
+the ledger's held/forget/record, the forensics hook, the trace-mode question). Neither
+is a scaler: no stages, distributed or error checks.
 
 The parts are taken out of one scaler object each (its own adapter copy where the part
 is the adapter's), so the variants share a process and interleave round by round, in
@@ -52,12 +53,11 @@ from .report import loadavg, write_json
 from .timing import spread
 
 
-def _without_trace_copy(scaler: Any) -> None:
-    scaler._mirror_ahead = lambda: False
-    scaler._mirror = lambda: None
+def _machine(scaler: Any) -> Any:
+    return scaler._m  # the scaler's state machine (unified_amp/_scaler_machine.py)
 
 
-def _unguarded_check(grads: Any, inv_scale: float) -> list[Any]:
+def _unguarded_check(grads: Any, inv_scale: float, allow_float16: bool = False) -> list[Any]:
     """MegEngine's fused check and unscale as the adapter calls it, without reading
     the gradients' dtypes and devices first."""
     from megengine.functional.math import _check_non_finite
@@ -65,21 +65,28 @@ def _unguarded_check(grads: Any, inv_scale: float) -> list[Any]:
     return [_check_non_finite(list(grads), inv_scale)]
 
 
+def _own_caps(scaler: Any) -> Any:
+    """The scaler's capabilities on a copy of its adapter, for a part to change."""
+    m = _machine(scaler)
+    caps = m._caps()
+    caps.backend = m.backend = copy.copy(caps.backend)
+    return caps
+
+
 def _without_guard(scaler: Any) -> None:
-    backend = copy.copy(scaler._be())
-    backend.unscale_and_check = _unguarded_check
-    scaler._backend = backend
+    _own_caps(scaler).backend.unscale_and_check = _unguarded_check
 
 
 def _without_ledger(scaler: Any) -> None:
-    ledger = scaler._ledger
+    ledger = _machine(scaler).ledger
     ledger.record = lambda *args, **kwargs: None
     ledger.forget = lambda params: None
     ledger.held = lambda params, version: []
+    ledger.begin_backward = lambda params, version: []
 
 
 def _without_forensics(scaler: Any) -> None:
-    forensics = scaler._forensics
+    forensics = _machine(scaler).forensics
     forensics.saw_loss = lambda outputs: None
     forensics.hook = lambda *args: None
     forensics.counted = lambda *args: None
@@ -87,16 +94,11 @@ def _without_forensics(scaler: Any) -> None:
 
 
 def _without_watch(scaler: Any) -> None:
-    scaler._backend = copy.copy(scaler._be())
-    scaler._caps().hooks = None  # scale() then hands the scale out unwatched
-
-
-def _without_fp16_scan(scaler: Any) -> None:
-    scaler._refuse_fp16 = lambda grads: None
+    _own_caps(scaler).probes = None  # scale() then hands the scale out unwatched
 
 
 def _without_trace_checks(scaler: Any) -> None:
-    scaler._traced = lambda what: False
+    _own_caps(scaler).tracer = None
 
 
 def _straight_line(scaler: Any, parts: tuple[str, ...]) -> None:
@@ -107,53 +109,47 @@ def _straight_line(scaler: Any, parts: tuple[str, ...]) -> None:
     from unified_amp._ledger import Check
     from unified_amp._scale_rule import next_scale
 
-    backend = scaler._be()
-    trace_copy, guard, ledger, forensics = (name in parts for name in PARTS["megengine"])
+    m = _machine(scaler)
+    backend, version = m.be(), m._caps().version
+    guard, ledger, forensics, trace_checks = (name in parts for name in PARTS["megengine"])
 
     def backward(gm: Any, y: Any) -> None:
-        s = scaler
+        s = m.s
+        if trace_checks:
+            m._caps().tracer.trace_mode()
         params = gm.attached_tensors()
         if ledger:
-            s._ledger.held(params, s._version)
-            s._ledger.forget(params)
-            s._ledger.new_backward(s._version)
-        if trace_copy:
-            ahead = next_scale(s._scale_value, s._tracker, False, s._growth_factor,
-                               s._backoff_factor, s._growth_interval)
-            s._trace_copy.write(*ahead, s._skipped_steps)
-        gm.backward([y], [F.full_like(y, s._scale_value)])
+            m.ledger.begin_backward(params, version)
+        gm.backward([y], [F.full_like(y, s.value)])
         grads = [p.grad for p in params]
         unscale = backend.unscale_and_check if guard else _unguarded_check
-        check = Check(unscale(grads, s._inv_scale()), None)
+        check = Check(unscale(grads, s.inv()), None)
         if forensics:
-            check.on_overflow = s._forensics.hook(params, backend, s._steps + 1)
+            check.on_overflow = m.forensics.hook(params, backend, s.steps + 1)
         found = check.verdict(backend.flag_is_set)
         if found:
             backend.drop_grads(params)
         if ledger:
-            s._ledger.record(params, [None] * len(params) if found else grads, check)
-        s._scale_value, s._tracker = next_scale(s._scale_value, s._tracker, found,
-                                                s._growth_factor, s._backoff_factor,
-                                                s._growth_interval)
-        s._steps += 1
-        s._skipped_steps += found
+            m.ledger.record(params, [None] * len(params) if found else grads, check)
+        s.value, s.tracker = next_scale(s.value, s.tracker, found, s.growth_factor,
+                                        s.backoff_factor, s.growth_interval)
+        s.steps += 1
+        s.skipped_steps += found
 
     scaler.backward = backward
 
 
 PARTS: dict[str, dict[str, Callable[[Any], None]]] = {
     "megengine": {
-        "trace copy": _without_trace_copy,
         "float32/device guard": _without_guard,
         "ledger": _without_ledger,
         "forensics": _without_forensics,
+        "trace checks": _without_trace_checks,
     },
     "torch": {
         "backward watch": _without_watch,
         "ledger": _without_ledger,
         "forensics": _without_forensics,
-        "float16 scan": _without_fp16_scan,
-        "trace checks": _without_trace_checks,
     },
 }
 

@@ -31,41 +31,41 @@ class AdapterView:
       recorded for that optimizer and counted by the next ``update()``.
     """
 
-    __slots__ = ("_scaler",)
+    __slots__ = ("_m",)
 
-    def __init__(self, scaler: Any) -> None:  # a ScalerState (which imports this)
-        self._scaler = scaler
+    def __init__(self, machine: Any) -> None:  # a GradScaler's ScalerMachine
+        self._m = machine
 
     @property
     def enabled(self) -> bool:
-        return self._scaler._enabled
+        return self._m.enabled
 
     @property
     def device(self) -> str | None:
-        return self._scaler._device
+        return self._m.device
 
     @property
     def device_scale(self) -> DeviceScale | None:
-        return self._scaler._dev
+        return self._m.s.dev
 
     def host_scale(self) -> tuple[float, int]:
-        return self._scaler._scale_value, self._scaler._tracker
+        return self._m.s.value, self._m.s.tracker
 
     def synced_scale(self) -> tuple[float, int]:
-        self._scaler._sync_from_device()
+        self._m.s.sync_from_device()
         return self.host_scale()
 
     def stages(self) -> dict[int, tuple[str, list[Check]]]:
         return {key: (state.stage.name, list(state.checks))
-                for key, state in self._scaler._opt_states.items()}
+                for key, state in self._m.it.opt_states.items()}
 
     def checks_of(self, optimizer: Any) -> list[Check]:
-        state = self._scaler._opt_states.get(id(optimizer))
+        state = self._m.it.opt_states.get(id(optimizer))
         return [] if state is None else list(state.checks)
 
     def check_only(self, optimizer: Any) -> Check:
-        scaler = self._scaler
+        m = self._m
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        check = scaler._check(params, unscale=False, read=False, allow_fp16=True)
-        scaler._opt_state(optimizer).checks.append(check)
+        check = m.check(params, unscale=False, read=False, allow_fp16=True)
+        m.it.opt_state(optimizer).checks.append(check)
         return check

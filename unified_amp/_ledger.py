@@ -119,13 +119,23 @@ class _Batch:
         if self.weak:
             return
         self.key  # noqa: B018 -- made from the parameters while they are held
-        ref = weakref.ref
-        self.params = [ref(p) for p in self.params]
-        self.grads = [g if g is None or g is _ABSENT else ref(g) for g in self.grads]
+        ref, grads = weakref.ref, self.grads
+        # A recorded gradient is found by its own identity, so its parameter needs no
+        # reference; a parameter whose gradient was dropped (None) keeps a weak one.
+        if any(map(_is_none, grads)) or any(map(_is_absent, grads)):
+            self.params = [ref(p) if g is None else None for p, g in zip(self.params, grads)]
+            self.grads = [g if g is None or g is _ABSENT else ref(g) for g in grads]
+        else:  # the usual record: every gradient there
+            self.params = [None] * len(grads)
+            self.grads = list(map(ref, grads))
         self.weak = True
 
-    def param(self, j: int) -> Any:
-        return self.params[j]() if self.weak else self.params[j]
+    def param(self, j: int, p: Any) -> bool:
+        """Whether position ``j`` records ``p`` (a parameter with this id)."""
+        if not self.weak:
+            return self.params[j] is p
+        ref = self.params[j]
+        return ref is None or ref() is p
 
     def grad(self, j: int) -> Any:
         """The recorded gradient object, None (dropped), _ABSENT, or -- weak and since
@@ -140,7 +150,7 @@ class _Batch:
         if self.index is None:
             self.index = {k: j for j, k in enumerate(self.key)}
         j = self.index.get(id(p))
-        if j is None or self.grads[j] is _ABSENT or self.param(j) is not p:
+        if j is None or self.grads[j] is _ABSENT or not self.param(j, p):
             return None
         return j
 
@@ -151,6 +161,7 @@ class GradLedger:
     def __init__(self) -> None:
         self._batches: list[_Batch] = []  # oldest first; a newer record shadows an older
         self.epoch = 0  # scaled backward passes seen (or announced) so far
+        self._strong = False  # some batch holds its gradients (weaken() has work)
 
     def new_backward(self, version: Version = None) -> None:  # type: ignore[assignment]
         """A scaled backward pass is about to run (or ran, unseen).
@@ -171,27 +182,52 @@ class GradLedger:
         self._batches = []
 
     def record(self, params: list[Any], grads: list[Any], check: Check,
-               weak: bool = True) -> None:
+               weak: bool = True, version: Version | None = None) -> None:
         """Notes that ``grads`` (the current gradients of ``params``, None where the
         scaler dropped one or the rank had none) went through ``check``.
 
         ``weak=False`` holds the gradients until the next ``update()`` or backward: for
         torch.amp's forms, whose ``update()`` follows within the iteration; it saves
-        making a weak reference per gradient on every step."""
+        making a weak reference per gradient on every step. ``version``: read the
+        gradients' versions now rather than when the next backward begins (a backward
+        the scaler learns of only afterwards may write to them)."""
         if not params:
             return
         if len(self._batches) >= _MAX_BATCHES:  # never reached by the usual loops
             self._forget_ids({id(p) for p in params})
-        batch = _Batch(params, grads, None, self.epoch, check)
+        versions = None if version is None else [None if g is None else version(g)
+                                                 for g in grads]
+        batch = _Batch(params, grads, versions, self.epoch, check)
         if weak:
             batch.weaken()
+        else:
+            self._strong = True
         self._batches.append(batch)
 
     def weaken(self) -> None:
         """From now on hold no gradient alive (a backward or a forward may follow
         before the next update())."""
-        for b in self._batches:
-            b.weaken()
+        if self._strong:
+            for b in self._batches:
+                b.weaken()
+            self._strong = False
+
+    def begin_backward(self, params: list[Any], version: Version) -> list[Any]:
+        """A scaled backward pass into the gradients of ``params`` is about to run (the
+        scaler's own: ``backward(gm, loss)``): returns the gradients that still hold the
+        values a check unscaled (``held``), then ends the records of ``params``
+        (``forget``) and moves the epoch (``new_backward``), in one call.
+
+        Raises:
+            RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
+        """
+        held: list[Any] = []
+        if self._batches:
+            if not all(map(_is_none, map(_grad_of, params))):  # (usually all cleared)
+                held = self.held(params, version)
+            self.forget(params)
+        self.new_backward(version)
+        return held
 
     def forget(self, params: list[Any]) -> None:
         """Ends the records of ``params`` (a backward through them is about to run)."""
@@ -232,8 +268,7 @@ class GradLedger:
                 key = tuple(map(id, params))
             if b.key == key:  # the same parameter list: compare position by position
                 if b.weak:
-                    refs = b.params
-                    pairs = [(i, i) for i in todo if refs[i]() is params[i]]
+                    pairs = [(i, i) for i in todo if b.param(i, params[i])]
                 else:
                     pairs = [(i, i) for i in todo]
             else:
@@ -275,13 +310,9 @@ class GradLedger:
         Raises:
             RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
         """
-        grads = [p.grad for p in params]
         if not self._batches:  # the usual step: one pass, no lookups
-            if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
-                return params, grads, [], []
-            pending = [p for p, g in zip(params, grads) if g is not None]
-            idle = [p for p, g in zip(params, grads) if g is None]
-            return pending, [g for g in grads if g is not None], [], idle
+            return by_grad(params)
+        grads = [p.grad for p in params]
         pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
         for p, g, check in zip(params, grads, self.answers(params, grads, version)):
             if check is MIXED:
@@ -321,12 +352,25 @@ class GradLedger:
         return held
 
 
+def by_grad(params: list[Any]) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+    """``split`` where the ledger has nothing to say: ``params`` with a gradient and
+    those gradients, no checks, and ``params`` without one."""
+    grads = list(map(_grad_of, params))
+    if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
+        return params, grads, [], []
+    return ([p for p, g in zip(params, grads) if g is not None],
+            [g for g in grads if g is not None], [],
+            [p for p, g in zip(params, grads) if g is None])
+
+
 def _no_version(grad: Any) -> None:
     """The version counter of a framework without one."""
     return None
 
 
 _is_none = functools.partial(operator.is_, None)
+_grad_of = operator.attrgetter("grad")  # (map() with it: no Python frame per parameter)
+_is_absent = functools.partial(operator.is_, _ABSENT)
 
 
 def _mixed_error(mixed: int, total: int) -> RuntimeError:

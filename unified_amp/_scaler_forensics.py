@@ -5,6 +5,7 @@ tracing themselves are forensics.py)."""
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import re
@@ -52,21 +53,24 @@ class Forensics:
     """One GradScaler's overflow reports, history and warning state (internal).
 
     The scaler hands it what a report needs (the adapter, the step number) with each
-    hook; it reads the scale back through the scaler's public ``get_scale()``.
+    hook; it asks the scaler's state machine for the scale and for how many checks
+    found an inf/NaN since the last ``update()`` (``current_scale()``,
+    ``overflows_since_update()``).
     """
 
-    def __init__(self, scaler: Any, enabled: bool) -> None:
-        self._scaler = weakref.ref(scaler)
+    def __init__(self, machine: Any, enabled: bool) -> None:
+        self._scaler = weakref.ref(machine)
         # Reads forward traces' flags; a disabled scaler checks nothing, so never reports.
         self._traces = tracing.Reader() if enabled else None
         self._models: list[Callable[[], Any]] = []
-        self._loss: Any = None  # the last loss scaled in this iteration
+        self.loss: Any = None  # the last loss scaled in this iteration
         self.warn_after = 10
         self.warn_below = 1.0
         self.history: collections.deque[OverflowReport] = collections.deque(maxlen=16)
         self.last: OverflowReport | None = None
         self._run = 0  # skipped steps in a row
         self._warned = False  # this run of skipped steps has been warned about
+        self._stall_warned = False  # overflows with no update() between: warned about
 
     def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
         _check_int("warn_after", warn_after, 1)
@@ -99,12 +103,12 @@ class Forensics:
         iteration ends (the loop holds it that long anyway)."""
         if isinstance(outputs, (list, tuple)):
             outputs = outputs[0] if outputs else None
-        self._loss = outputs
+        self.loss = outputs
 
     def hook(self, params: list[Any], backend: Any, step: int) -> Callable[[], None]:
         """What a check of ``params`` in scaler step ``step`` runs if its verdict reads
         "overflow". Pure Python: a clean check drops it unread."""
-        return lambda: self._report(params, backend, step)
+        return functools.partial(self._report, params, backend, step)
 
     # -- the slow path: only after a check found an inf/NaN ---------------------------
     def _names(self, backend: Any, records: list[Any]) -> dict[int, str]:
@@ -122,7 +126,7 @@ class Forensics:
         return names
 
     def _loss_value(self) -> float | None:
-        loss = self._loss
+        loss = self.loss
         if loss is None or math.prod(int(d) for d in loss.shape) != 1:
             return None
         return float(loss.item())
@@ -141,7 +145,7 @@ class Forensics:
         if scaler is None:
             return
         with_grad = [p for p in params if p.grad is not None]
-        loss = self._loss
+        loss = self.loss
         if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
             loss = None
         # The flags recorded since this scaler's last update, whichever trace made them.
@@ -164,9 +168,10 @@ class Forensics:
         watched = [m for m in (ref() for ref in self._models) if m is not None]
         first, samples = tracing.first_nonfinite(records, finite, watched)
         report = OverflowReport(
-            step=step, scale=scaler.get_scale(), loss=loss_value,
+            step=step, scale=scaler.current_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
-            first_nonfinite=first, bad_samples=samples, forward_in_trace=unseen)
+            first_nonfinite=first, bad_samples=samples, forward_in_trace=unseen,
+            overflows_since_update=scaler.overflows_since_update())
         self.last = report
         if self.history.maxlen:
             self.history.append(report)
@@ -194,8 +199,26 @@ class Forensics:
             f" {scale:g}{floor}: training is not progressing.{last}"),
             stacklevel=_user_stacklevel())
 
+    def overflowed_without_update(self, overflows: int, scale: float) -> None:
+        """After a check that found an inf/NaN and dropped the gradients: ``overflows``
+        such checks since the last ``update()``. The scale backs off only in update(),
+        so a loop that never calls it skips every step at the same scale: said once."""
+        if self._stall_warned or overflows < max(2, self.warn_after):
+            return
+        self._stall_warned = True
+        last = f" Last: {self.last.line()}" if self.last is not None else ""
+        warnings.warn(OverflowWarning(
+            f"unified_amp: {overflows} gradient checks since the last scaler.update() found"
+            f" inf/NaN gradients and dropped them, so the weights have not moved; the loss"
+            f" scale stays {scale:g}, because only update() backs it off. Call"
+            f" scaler.update() once per iteration, after the optimizer step"
+            f" (megengine.amp's manual form: gm.backward(scaler.scale(loss)),"
+            f" scaler.unscale(gm), opt.step(), scaler.update()).{last}"),
+            stacklevel=_user_stacklevel())
+
     def end_iteration(self) -> None:
-        self._loss = None
+        self._stall_warned = False
+        self.loss = None
         if self._traces is not None:
             self._traces.passed()  # this scaler's next report reads only newer flags
 

@@ -8,9 +8,15 @@ once here.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import operator
+import weakref
+from typing import Any, Callable
 
+from . import _foreign
 from ._foreign import _short, hint
+
+_is_not_none = functools.partial(operator.is_not, None)
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -27,8 +33,8 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
         TypeError: ``target`` is none of the accepted kinds.
     """
     if hasattr(target, "attached_tensors"):  # amp.GradManager or MegEngine's own
-        # MegEngine's holds tensors weakly: a freed one comes back as None.
-        params = [p for p in target.attached_tensors() if p is not None]
+        # Each tensor once; MegEngine's holds them weakly: a freed one comes back as None.
+        return list(filter(_is_not_none, target.attached_tensors()))
     elif is_optimizer(target):
         params = [p for group in target.param_groups for p in group["params"]]
     elif backend.is_tensor(target):
@@ -56,3 +62,46 @@ def params_of(target: Any, backend: Any, what: str) -> list[Any]:
             seen.add(id(p))
             unique.append(p)
     return unique
+
+
+class OptimizerParams:
+    """An optimizer's parameters, cached per optimizer (weakly) while its param_groups
+    stay the same lists of the same lengths: rebuilding them is a pass over every
+    parameter, and a step asks every time."""
+
+    def __init__(self) -> None:
+        # id(optimizer) -> (a weak reference to it, its groups' shape, its parameters)
+        self._cache: dict[int, tuple[Any, list, list[Any]]] = {}
+
+    def __call__(self, optimizer: Any, backend: Any) -> list[Any]:
+        shape = [(id(g["params"]), len(g["params"])) for g in optimizer.param_groups]
+        cached = self._cache.get(id(optimizer))
+        if cached is not None and cached[0]() is optimizer and cached[1] == shape:
+            return cached[2]
+        params = params_of(optimizer, backend, "GradScaler.step()")
+        key = id(optimizer)
+        try:  # (the entry goes with the optimizer)
+            ref = weakref.ref(optimizer, lambda _: self._cache.pop(key, None))
+        except TypeError:  # not weak-referenceable: no cache
+            return params
+        self._cache[key] = (ref, shape, params)
+        return params
+
+
+def each_tensor(val: Any, where: str, one: Callable[[Any, str], Any], backend: Any) -> Any:
+    """``one(tensor, where)`` of ``val`` (a tensor, or a list/tuple or other iterable of
+    them, nested), in the same structure: what ``scale()`` accepts.
+
+    Raises:
+        TensorTypeError: something in ``val`` is no tensor of ``backend`` (a NumPy
+            array, another framework's tensor, ...).
+    """
+    if backend.is_tensor(val):
+        return one(val, where)
+    if isinstance(val, (list, tuple)):
+        return type(val)(each_tensor(v, f"{where}[{i}]", one, backend)
+                         for i, v in enumerate(val))
+    if _foreign.scalable(val, backend.name):
+        return map(lambda v: each_tensor(v, f"{where}[...]", one, backend), val)
+    raise _foreign.not_a_tensor("GradScaler.scale()", backend.name, where, val,
+                                "Scale only the loss (or outputs) you call backward on.")

@@ -124,14 +124,22 @@ def enter(backend: Any, what: str, factors: tuple[float, float]) -> bool:
     return True
 
 
+def follow(tracer: Any, flush: Any) -> None:
+    """Has the adapter call ``flush()`` (a scaler's bound method, held weakly) right
+    before each traced call starts, outside the trace, so that the scaler's trace copy
+    holds the host's values when a trace starts from it. The copy is then written only
+    when a trace is about to use it, never on an eager step."""
+    capability(tracer, Tracing).before_traces(flush)  # type: ignore[union-attr]
+
+
 def mirror(backend: Any, copy: Any, scale: float, tracker: int, skipped: int) -> Any:
     """The adapter's device copy of the scale, made (outside a trace) or brought up to
     date; None where the adapter has no traces.
 
     MegEngine's trace only accepts device state that holds its value when the traced
     call starts (a tensor made or loaded part-way through the first call breaks the
-    replays: "expect external node, got internal"), so the copy exists from the
-    scaler's construction and follows every host-side change until the first trace.
+    replays: "expect external node, got internal"), so the copy is made and written
+    right before a traced call starts (``follow``), outside it.
     """
     tracer = capability(backend, Tracing)
     if tracer is None:
@@ -151,8 +159,7 @@ def take_copy(backend: Any, what: str, copy: Any) -> Any:
             f"{what} was called inside {_name(backend)} on a GradScaler made (or"
             f" unpickled) inside the trace: its scale has no device copy that the trace"
             f" could have started from. Make the GradScaler before the traced function"
-            f" runs (and after unpickling, call any of its methods once outside the"
-            f" trace). This call changed nothing."
+            f" runs (and unpickle it before, too). This call changed nothing."
         )
     return copy
 

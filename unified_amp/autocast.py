@@ -157,8 +157,9 @@ class autocast:
         # graph at a break inside that, and at none inside a class of ours). Only one
         # already loaded is asked: making a block loads no framework.
         backend = loaded_backend()
-        native = None if backend is None else backend.native_autocast(
-            self.enabled, self.dtype, self.device, self.contract)
+        if backend is None:
+            return self
+        native = backend.native_autocast(self.enabled, self.dtype, self.device, self.contract)
         if native is None:
             return self
         if self.enabled:

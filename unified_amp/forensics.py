@@ -126,6 +126,10 @@ class OverflowReport:
         forward_in_trace: the forward ran inside a traced function
             (``megengine.jit.trace``), whose outputs :func:`trace_forward` cannot read
             back, so ``traced`` is False.
+        overflows_since_update: the checks since the last ``update()`` that found an
+            inf/NaN, this one included (more than 1 in a step with several optimizers,
+            or where a loop unscales again without calling ``update()``, which alone
+            backs the scale off).
     """
 
     step: int
@@ -137,6 +141,7 @@ class OverflowReport:
     first_nonfinite: NonFiniteOutput | None
     bad_samples: tuple[int, ...]
     forward_in_trace: bool = False
+    overflows_since_update: int = 1
 
     @property
     def cause(self) -> str:
@@ -196,6 +201,11 @@ class OverflowReport:
             return "every traced forward output was finite, the loss was not"
         if cause == "backward":
             where = "every traced forward output" if self.traced else "the loss"
+            if self.overflows_since_update > 1:
+                return (f"{where} was finite, so the scaled gradients overflowed in the"
+                        f" backward pass; {self.overflows_since_update} checks since the"
+                        f" last update() found inf/NaN, and only update() backs the"
+                        f" scale off")
             return (f"{where} was finite, so the scaled gradients overflowed in the"
                     f" backward pass; the scale backs off")
         hint = ("; the forward ran inside a traced function, where amp.trace_forward"
@@ -234,6 +244,7 @@ class OverflowReport:
              "pin": first.pin},
             "bad_samples": list(self.bad_samples),
             "forward_in_trace": self.forward_in_trace,
+            "overflows_since_update": self.overflows_since_update,
             "cause": self.cause,
             "line": self.line(),
         }

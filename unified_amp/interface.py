@@ -9,7 +9,7 @@ and leaves everything numeric to the adapter.
 
 Every adapter provides :class:`Backend`: the six required capabilities (``Basics``,
 ``Autocasting``, ``Gradients``, ``LossScaling``, ``OptLevelCasting``,
-``ForensicsProbes``). The optional ones (``GradVersions``, ``BackwardHooks``,
+``ForensicsProbes``). The optional ones (``GradVersions``, ``BackwardProbes``,
 ``DeviceResident`` with its :class:`DeviceScale`, ``NativeScalerClass``,
 ``Collectives``, ``DataParallelHooks``) the core asks for through :func:`capability`
 and copes without. Each adapter package declares its capability classes as subclasses
@@ -124,11 +124,6 @@ class LossScaling(Protocol):
     # it so that scaler can resume from a unified_amp checkpoint (megengine.amp reads
     # "scale_factor"); empty where the framework reads "scale" itself.
     scale_key_aliases: tuple[str, ...]
-    # True where ``unscale_and_check`` (and its device scale's ``unscale_and_check`` and
-    # ``check``) raise ValueError for any gradient that is not float32, before touching
-    # one: the scaler then skips its own float16 scan of every gradient, and words that
-    # error for float16 gradients itself.
-    rejects_non_float32: bool
 
     def scale(self, y: Any, scale: float) -> Any:
         """``y`` times the loss scale, as the framework's own scaler would compute it."""
@@ -138,11 +133,17 @@ class LossScaling(Protocol):
     ) -> list[Any]:
         """The ``dy`` to feed a backward pass so that gradients come out scaled."""
 
-    def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
+    def unscale_and_check(self, grads: Sequence[Any], inv_scale: float,
+                          allow_float16: bool = False) -> Any:
         """Fused kernel: multiplies every gradient by ``inv_scale`` in place and returns a
         device-side flag that is set if any gradient holds an inf or NaN. No host sync.
         (The scaler also passes the scale itself, to bring gradients it unscaled back
-        to the scale before an automatic-mode backward accumulates into them.)"""
+        to the scale before an automatic-mode backward accumulates into them.)
+
+        Raises ValueError, before touching any gradient, if one is float16 and
+        ``allow_float16`` is False (torch.amp's rule; the scaler words that error
+        itself), or has a dtype the kernel cannot take (MegEngine's: float32 only), so
+        the scaler never scans the dtypes of a clean step's gradients a second time."""
 
     def flag_is_set(self, flag: Any) -> bool:
         """Reads a flag from ``unscale_and_check`` on the host: the one sync per step."""
@@ -254,14 +255,19 @@ class GradVersions(Protocol):
 
 
 @runtime_checkable
-class BackwardHooks(Protocol):
-    """Seeing a backward pass go through a tensor (a ``scale()`` output)."""
+class BackwardProbes(Protocol):
+    """Telling afterwards whether a backward pass went through a tensor (a ``scale()``
+    output), with nothing registered that runs during the backward pass."""
 
-    def watch_backward(self, tensor: Any, callback: Any) -> bool:
-        """Arranges for ``callback()`` to run when a backward pass goes through
-        ``tensor``; False if it cannot. ``callback`` ignores any arguments it is given
-        (so the adapter may register it as the framework's hook itself) and returns
-        None."""
+    def backward_token(self, tensor: Any) -> Any:
+        """Something to ask ``backward_ran`` about later (it may keep ``tensor``'s
+        graph alive until dropped), or None where the adapter cannot tell."""
+
+    def backward_ran(self, token: Any) -> bool | None:
+        """True: a backward pass went through the tensor. False: none did, and one ran
+        through what the tensor was computed from (``loss.backward()`` after
+        ``scaler.scale(loss)``). None: it cannot tell (no backward pass yet, or one
+        that kept the graph: ``retain_graph=True``)."""
 
 
 class DeviceScale(Protocol):
@@ -347,6 +353,10 @@ class Tracing(Protocol):
                      skipped: int) -> TracedScale:
         """The device copy of the scale that traced steps use (``optimizer`` None)."""
 
+    def before_traces(self, callback: Any) -> None:
+        """Calls ``callback()`` right before each traced call starts, outside the trace,
+        for as long as the object of ``callback`` (a bound method, held weakly) lives."""
+
 
 @runtime_checkable
 class NativeScalerClass(Protocol):
@@ -396,7 +406,7 @@ class DataParallelHooks(Protocol):
 
 
 _P = TypeVar("_P")
-_OPTIONAL = (GradVersions, BackwardHooks, DeviceResident, Tracing, NativeScalerClass,
+_OPTIONAL = (GradVersions, BackwardProbes, DeviceResident, Tracing, NativeScalerClass,
              Collectives, DataParallelHooks)
 # (adapter class, Protocol) -> whether the class provides the Protocol's methods. A fact
 # about classes, not state of any scaler: an adapter's capabilities are its methods.

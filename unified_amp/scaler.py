@@ -1,7 +1,7 @@
 """``GradScaler``: dynamic loss scaling, one state machine for both frameworks.
 
 The state (scale, growth tracker, per-optimizer stage, the ledger of unscaled gradient
-generations) lives here as plain Python; adapters only scale tensors, run the fused
+generations) lives in plain Python; adapters only scale tensors, run the fused
 check-and-unscale kernel and read its flag back. That read is the only device-to-host
 sync, at most once per optimizer step.
 
@@ -25,47 +25,42 @@ in device tensors and updates them with the framework's own kernel, so a step ne
 sync at all. The stage logic is the same in both modes; only where the arithmetic runs
 differs.
 
-Where the parts live: this module has the constructor and the loop's methods
-(``scale``, ``backward``, ``unscale``, ``unscale_``, ``step``, ``update``);
-``_scaler_state.py`` the state machine they drive (stages, checks, the ledger, the
-device-resident mode); ``_scaler_surface.py`` inspection, settings, checkpoints and
-pickling; ``_scale_rule.py`` the scale rule and the checks of its numbers;
-``_call_forms.py`` the constructor's two call forms.
+Where the parts live: this module has the public class, which holds its state machine
+(``self._m``, a ``ScalerMachine``: _scaler_machine.py) and delegates to it;
+``_scaler_state.py`` has the numbers (scale, tracker, telemetry) and checkpoints,
+``_scaler_iteration.py`` what one iteration records, ``_scale_rule.py`` the scale rule
+and the checks of its numbers, ``_call_forms.py`` the constructor's two call forms.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
-import weakref
-from typing import Any, overload
+from collections.abc import Mapping
+from typing import Any, TypeVar, overload
 
-from . import _foreign, distributed
+from . import _scaler_step, _tracing, distributed
+from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
-from ._ledger import Check, GradLedger
 from ._registry import get_backend
-from ._scale_rule import check_factors, f32, next_scale
-from ._scaler_state import AdapterView, _Stage
-from ._scaler_surface import ScalerSurface
-from ._targets import is_optimizer, params_of
-from ._scaler_forensics import Forensics
-from .interface import BackwardHooks, NativeScalerClass, capability
+from ._scale_rule import check_factors, next_scale, valid_scale
+from ._scaler_machine import ScalerMachine
+from ._scaler_state import ScaleState
+from ._targets import is_optimizer
+from .forensics import OverflowReport
+from .interface import NativeScalerClass, capability
 
 __all__ = ["GradScaler", "AdapterView", "next_scale"]
 
+_S = TypeVar("_S", bound="GradScaler")
 
-@functools.lru_cache(maxsize=None)
-def _takes_grad_scaler_kwarg(optimizer_class: Any) -> bool:
-    # torch's older contract for optimizers that unscale themselves: the scaler passes
-    # itself as step(grad_scaler=...). Asked once per class: inspect.signature is slow.
-    try:
-        return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
-    except (TypeError, ValueError):
-        return False
+# What a pickle holds (the names GradScaler's attributes had before the state machine
+# became an object of its own, so pickles of either layout load in both).
+_PICKLED = ("_enabled", "_device", "_scale_value", "_growth_factor", "_backoff_factor",
+            "_growth_interval", "_tracker", "_steps", "_skipped_steps",
+            "_last_step_skipped", "_as_of_step", "_updated_by_backward")
 
 
-class GradScaler(ScalerSurface):
+class GradScaler:
     """Dynamic loss scaling for mixed-precision training, on the active backend.
 
     Call forms::
@@ -135,74 +130,33 @@ class GradScaler(ScalerSurface):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         a = bind(args, kwargs)
         check_factors(a["init_scale"], a["growth_factor"], a["backoff_factor"],
-                       a["growth_interval"])
-        if not isinstance(a["enabled"], bool):
-            raise TypeError(f"GradScaler enabled must be a bool; got {a['enabled']!r}.")
-        self._backend = None
-        self._enabled = a["enabled"]
+                      a["growth_interval"])
+        enabled = a["enabled"]
+        if not isinstance(enabled, bool):
+            raise TypeError(f"GradScaler enabled must be a bool; got {enabled!r}.")
         device = a["device"]
         if device is not None and not isinstance(device, str):
             device = str(device)
-        if self._enabled and device is not None and device.split(":")[0] == "cuda":
-            if not self._be().cuda_available():
+        if enabled and device is not None and device.split(":")[0] == "cuda":
+            if not get_backend().cuda_available():
                 warnings.warn(
                     "GradScaler(device='cuda') is enabled, but CUDA is not available."
                     "  Disabling.",
                     stacklevel=2,
                 )
-                self._enabled = False
-        self._device = device
-        self._process_group = a["process_group"]
-        if self._process_group is not None and self._enabled:
-            distributed.check_group(self._be(), self._process_group)
-        self._scale_value = f32(float(a["init_scale"]))
-        self._growth_factor = float(a["growth_factor"])
-        self._backoff_factor = float(a["backoff_factor"])
-        self._growth_interval = a["growth_interval"]
-        self._tracker = 0
-        self._steps = 0
-        self._skipped_steps = 0
-        self._last_step_skipped = False
-        self._as_of_step = 0  # the step the telemetry describes (lags only in device mode)
-        self._dev: Any = None  # the adapter's device-resident scale, once a fused step ran
-        self._trace_copy: Any = None  # its copy of the scale for traced steps (_tracing.py)
-        self._ledger = GradLedger()
-        self._param_lists = weakref.WeakKeyDictionary()
-        self._updated_by_backward = False  # the last update() was backward()'s own
-        self._forensics = Forensics(self, self._enabled)  # overflow reports (forensics.py)
-        # optimizer id -> the checks behind its last step after backward()'s update()
-        self._tail: dict[int, list[Check]] = {}
-        self._new_iteration()
-        self._mirror()
+                enabled = False
+        group = a["process_group"]
+        if group is not None and enabled:
+            distributed.check_group(get_backend(), group)
+        numbers = ScaleState(a["init_scale"], a["growth_factor"], a["backoff_factor"],
+                             a["growth_interval"])
+        self._m = ScalerMachine(self, enabled, device, group, numbers)
 
-    # -- loss scaling -------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or a list/tuple of tensors) times the current scale."""
-        if not self._enabled:
-            return outputs
-        self._traced("GradScaler.scale()")
-        self._forensics.saw_loss(outputs)
-        return self._scaled(outputs, "outputs")
-
-    def _scaled(self, val: Any, where: str) -> Any:
-        caps = self._caps()
-        backend = caps.backend
-        if backend.is_tensor(val):
-            out = self._dev.scale(val) if self._dev is not None else backend.scale(
-                val, self._scale_value)
-            hooks = caps.hooks
-            if hooks is not None and hooks.watch_backward(out, self._on_scaled_backward):
-                self._handed_watched = True
-            else:
-                self._handed_blind = True
-                self._ledger.new_backward(self._version)  # a backward may follow unseen
-            return out
-        if isinstance(val, (list, tuple)):
-            return type(val)(self._scaled(v, f"{where}[{i}]") for i, v in enumerate(val))
-        if _foreign.scalable(val, backend.name):
-            return map(lambda v: self._scaled(v, f"{where}[...]"), val)
-        raise _foreign.not_a_tensor("GradScaler.scale()", backend.name, where, val,
-                                    "Scale only the loss (or outputs) you call backward on.")
+        m = self._m
+        return m.scale(outputs) if m.enabled else outputs
 
     def backward(self, gm: Any, y: Any = None, dy: Any = None, *,
                  unscale_grad: bool = True, update_scale: bool = True) -> None:
@@ -228,48 +182,10 @@ class GradScaler(ScalerSurface):
                 f"GradScaler.backward() expects a GradManager (amp.GradManager or"
                 f" MegEngine's own) as its first argument; got {type(gm).__name__}{hint}."
             )
-        if not self._enabled:
+        if self._m.enabled:
+            _scaler_step.backward(self._m, gm, y, dy, unscale_grad, update_scale)
+        else:
             gm.backward(y, dy)
-            return
-        if unscale_grad:
-            self._refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
-        self._traced("GradScaler.backward(gm, loss, unscale_grad=False)")
-        ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
-        _foreign.require_tensors(self._be(), ys, "GradScaler.backward(gm, y)",
-                                 "Pass the loss (or outputs) the forward pass recorded.")
-        if dy is None:
-            dys = None
-        else:
-            dys = list(dy) if isinstance(dy, (list, tuple)) else [dy]
-            if len(dys) != len(ys):
-                raise ValueError(
-                    f"GradScaler.backward() got {len(ys)} output(s) y but {len(dys)}"
-                    f" cotangent(s) dy; pass one dy per y, or dy=None for ones."
-                )
-        if self._dev is not None:
-            cotangents = self._dev.scaled_cotangents(ys, dys)
-        else:
-            cotangents = self._be().scaled_cotangents(ys, dys, self._scale_value)
-        attached = params_of(gm, self._be(), "GradScaler.backward()")
-        self._rescale_held(attached)
-        # This backward writes a new generation of gm's gradients.
-        self._ledger.forget(attached)
-        self._ledger.new_backward(self._version)
-        self._handed_blind = True
-        self._forensics.saw_loss(ys)
-        ahead = unscale_grad and update_scale and self._mirror_ahead()
-        try:
-            gm.backward(ys, cotangents)
-            if unscale_grad:
-                self._unscale(gm, "unscale()", drop=True, params=attached)
-                if update_scale:
-                    self._update(None)  # not the user's: the ledger's iteration goes on
-                    self._updated_by_backward = True
-                self._ledger.weaken()  # the user's step, zero_grad and next forward follow
-        except BaseException:
-            if ahead:
-                self._mirror()  # back to the host's values: this step did not update
-            raise
 
     def unscale(self, target: Any) -> "GradScaler":
         """Divides the gradients of ``target`` by the scale, in place, and checks them
@@ -285,9 +201,10 @@ class GradScaler(ScalerSurface):
                 stepped; or nothing was scaled since the last ``update()``.
             ValueError: a gradient is float16.
         """
-        if self._enabled:
-            self._refuse_in_trace("GradScaler.unscale()", "unscale")
-            self._unscale(target, "unscale()", drop=True)
+        m = self._m
+        if m.enabled:
+            m.refuse_in_trace("GradScaler.unscale()", "unscale")
+            m.unscale(target, "unscale()", True)
         return self
 
     def unscale_(self, optimizer: Any) -> None:
@@ -300,9 +217,10 @@ class GradScaler(ScalerSurface):
         Raises:
             RuntimeError: as ``unscale()``.
         """
-        if self._enabled:
-            self._traced("GradScaler.unscale_()")
-            self._unscale(optimizer, "unscale_()", drop=False)
+        m = self._m
+        if m.enabled:
+            m.traced("GradScaler.unscale_()")
+            m.unscale(optimizer, "unscale_()", False)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscales ``optimizer``'s gradients if not yet done, then steps it unless an
@@ -315,7 +233,7 @@ class GradScaler(ScalerSurface):
                 gradients need unscaling but nothing was scaled since the last update;
                 it has no gradients and none were checked; or a ``closure`` was given.
         """
-        if not self._enabled:
+        if not self._m.enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError(
@@ -326,71 +244,7 @@ class GradScaler(ScalerSurface):
                 f"GradScaler.step() expects an optimizer (an object with param_groups and"
                 f" step()); got {type(optimizer).__name__}."
             )
-        state = self._opt_state(optimizer)
-        if state.stage is _Stage.STEPPED:
-            raise RuntimeError(
-                "step() has already been called since the last update(). Call"
-                " scaler.update() once per iteration, after stepping every optimizer."
-            )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and \
-                _takes_grad_scaler_kwarg(optimizer.__class__):
-            # The optimizer unscales and checks by itself, asking this scaler.
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the"
-                " passed optimizer. In the near future GradScaler registers `grad_scale:"
-                " Tensor` and `found_inf: Tensor` to the passed optimizer and let the"
-                " optimizer use them directly.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            result = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
-            state.stage = _Stage.STEPPED
-            return result
-        # A fused optimizer skips on the device by itself; inside a trace the adapter's
-        # device scale skips for any optimizer (_tracing.py).
-        fused = self._steps_on_device(optimizer)
-        on_device = fused or self._traced("GradScaler.step()")
-        params = self._params_of_optimizer(optimizer)
-        pending, grads, done, idle = self._split(params)
-        if state.stage is _Stage.READY and not pending and done and not any(
-                c is k for c in done for k in self._checks):
-            # Every gradient was decided by checks that an update() already consumed:
-            # scaler.backward(gm, loss) then step(opt). This step ends that iteration.
-            return self._tail_step(optimizer, done, on_device, args, kwargs)
-        checks = list(state.checks)
-        checks += [c for c in done if all(c is not k for k in checks)]
-        fused_unscale = False
-        agreement = None
-        if state.stage is _Stage.READY and not pending and idle:
-            # No gradient here, but another rank may have some: take part in its check.
-            agreement = distributed.plan(self._be(), [], idle, self._process_group)
-        if state.stage is _Stage.READY and (pending or agreement is not None):
-            unscale = True
-            if pending:
-                agreement, unscale = self._scaled_or_idle(pending, idle, "step()")
-            distributed.require_synced(self._be(), pending, "GradScaler.step()")
-            # A fused optimizer unscales inside its own kernel (grad_scale), as with
-            # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = fused and not done and unscale
-            check = self._check(pending, grads=grads, idle=idle,
-                                agreement=agreement or False,
-                                unscale=unscale and not fused_unscale, read=False,
-                                allow_fp16=fused_unscale)
-            if not fused_unscale:
-                # held until update(), which torch.amp's loop calls next
-                self._ledger.record(pending, grads, check, weak=False)
-            checks.append(check)
-        if not checks and not fused:
-            raise RuntimeError(
-                "No inf checks were recorded for this optimizer: none of its parameters"
-                " has a gradient. Run the scaled backward pass before"
-                " scaler.step(optimizer)."
-            )
-        result = self._step_unless_found(optimizer, checks, on_device, fused_unscale,
-                                         args, kwargs)
-        state.stage = _Stage.STEPPED
-        state.checks = checks  # every check that decided this step
-        return result
+        return _scaler_step.step(self._m, optimizer, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the
@@ -404,10 +258,208 @@ class GradScaler(ScalerSurface):
             RuntimeError: nothing was unscaled or checked since the last update (and no
                 new_scale).
         """
-        if not self._enabled:
-            return
-        if new_scale is not None:
-            self._refuse_in_trace("GradScaler.update(new_scale=...)", "write")
-        self._traced("GradScaler.update()")
-        self._update(new_scale)
-        self._ledger.new_iteration()
+        if self._m.enabled:
+            self._m.update(new_scale)
+
+    # -- inspection and settings --------------------------------------------------------------
+    @property
+    def adapter_view(self) -> AdapterView:
+        """The declared members an adapter's subclass may read (:class:`AdapterView`)."""
+        return AdapterView(self._m)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). No device sync,
+        except after a fused optimizer moved the scale to the device (as torch.amp)."""
+        m = self._m
+        if not m.enabled:
+            return 1.0
+        m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
+        return m.current_scale()
+
+    @property
+    def scale_factor(self) -> float:
+        """megengine.amp's name for the current scale; assignable.
+
+        Reading it counts as handing the scale out (megengine.amp's manual mode passes
+        it as ``dy`` to ``gm.backward``)."""
+        m = self._m
+        m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
+        m.it.handed(None)
+        return self.get_scale()
+
+    @scale_factor.setter
+    def scale_factor(self, value: Any) -> None:
+        m = self._m
+        value = valid_scale(value, "scale_factor", m.be)
+        m.refuse_in_trace("Setting GradScaler.scale_factor", "write")
+        m.s.set(value)
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler scales (False: every method is a pass-through)."""
+        return self._m.enabled
+
+    def stats(self) -> dict[str, Any]:
+        """Telemetry, as plain Python values, without a device sync.
+
+        Keys: ``scale``, ``growth_tracker``, ``steps`` (updates that followed an
+        unscale), ``skipped_steps`` (of those, how many found an inf/NaN),
+        ``last_step_skipped``, ``enabled``, ``as_of_step``: the step the other
+        values describe (it equals ``steps`` except with fused optimizers on a GPU,
+        where the values arrive asynchronously and may trail by a step or two);
+        ``checks_since_update`` and ``overflows_since_update``: the gradient checks
+        since the last ``update()`` and how many of them found an inf/NaN (a loop that
+        unscales without ever calling ``update()`` shows here, its ``steps`` stuck);
+        ``overflows``: the recent overflow reports.
+        """
+        m = self._m
+        s = m.s
+        # Inside a trace the values stay as of the last read (as_of_step says which).
+        if m.enabled and s.dev is not None and _tracing.mode(m.be()) is None:
+            s.poll()
+        return {
+            "scale": s.value if m.enabled else 1.0,
+            "growth_tracker": s.tracker,
+            "steps": s.steps,
+            "skipped_steps": s.skipped_steps,
+            "last_step_skipped": s.last_step_skipped,
+            "enabled": m.enabled,
+            "as_of_step": s.as_of_step,
+            "checks_since_update": len(m.it.checks) + m.it.folded,
+            "overflows_since_update": m.it.overflows(),
+            "overflows": m.forensics.history_dicts(),
+        }
+
+    # -- overflow forensics (forensics.py) ------------------------------------------------
+    def watch(self: _S, model: Any = None, *, warn_after: int = 10, warn_below: float = 1.0,
+              history: int = 16) -> _S:
+        """Names ``model``'s parameters in overflow reports, and sets when a run of
+        skipped steps warns. Installs no hook; costs nothing on a clean step.
+
+        Every step that a gradient check skips gets a report (``last_overflow()``,
+        ``stats()["overflows"]``), with or without ``watch``; unwatched, gradients are
+        named by position. ``amp.trace_forward(model)`` adds the first non-finite
+        module of the forward pass.
+
+        Args:
+            model: a module of the active framework (``torch.nn.Module``,
+                ``megengine.module.Module``); None changes only the settings below.
+            warn_after: skipped steps in a row after which one ``amp.OverflowWarning``
+                is raised for that run of skips.
+            warn_below: a loss scale below which a run of skips warns at once
+                (0 turns the floor off).
+            history: how many reports ``stats()["overflows"]`` keeps (the newest).
+
+        Returns:
+            self, so that ``scaler = amp.GradScaler().watch(model)`` reads naturally.
+
+        Raises:
+            TypeError: ``model`` is not a module (``model.parameters()`` is not one).
+            ValueError: a setting out of range.
+        """
+        self._m.forensics.watch(model, warn_after, warn_below, history)
+        return self
+
+    def last_overflow(self) -> OverflowReport | None:
+        """The report of the newest gradient check that found an inf/NaN, or None.
+
+        ``str(report)`` is one line: step, scale, loss, which gradients were inf or
+        NaN, and the likely cause; ``report.as_dict()`` is the same as plain data.
+        """
+        return self._m.forensics.last
+
+    def get_growth_factor(self) -> float:
+        return self._m.s.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        s = self._m.s
+        check_factors(s.value, new_factor, s.backoff_factor, s.growth_interval)
+        s.growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._m.s.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        s = self._m.s
+        check_factors(s.value, s.growth_factor, new_factor, s.growth_interval)
+        s.backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._m.s.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        s = self._m.s
+        check_factors(s.value, s.growth_factor, s.backoff_factor, new_interval)
+        s.growth_interval = new_interval
+
+    # -- checkpoints and pickling -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.amp's keys, plain Python numbers, loadable by either backend; on
+        MegEngine also "scale_factor", so megengine.amp's scaler can load it too.
+        Empty when disabled (as torch.amp)."""
+        m = self._m
+        if not m.enabled:
+            return {}
+        m.refuse_in_trace("GradScaler.state_dict()", "read")
+        m.s.sync_from_device()
+        return m.s.state_dict(m.be().scale_key_aliases)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads a dict from ``state_dict()``, torch.amp's, or megengine.amp's
+        (``scale_factor``). A malformed dict raises ValueError (TypeError if it is no
+        mapping at all) and leaves the scaler unchanged. No-op when disabled."""
+        m = self._m
+        if m.enabled:
+            m.refuse_in_trace("GradScaler.load_state_dict()", "write")
+            m.s.load(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        m = self._m
+        if m.it.opt_states or m.it.checked():
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning of an"
+                " iteration, or at the end after scaler.update()."
+            )
+        m.s.sync_from_device()
+        s = m.s
+        # Settings and numbers only: device tensors, the ledger (live gradients), the
+        # overflow reports (models) and a process group (a live communicator) are
+        # remade or given again after loading.
+        state = {k: v for k, v in self.__dict__.items() if k != "_m"}
+        state.update(_enabled=m.enabled, _device=m.device, _scale_value=s.value,
+                     _growth_factor=s.growth_factor, _backoff_factor=s.backoff_factor,
+                     _growth_interval=s.growth_interval, _tracker=s.tracker,
+                     _steps=s.steps, _skipped_steps=s.skipped_steps,
+                     _last_step_skipped=s.last_step_skipped, _as_of_step=s.as_of_step,
+                     _updated_by_backward=m.updated_by_backward)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Also a pickle from before the state machine was an object (the same keys,
+        # beside others that are remade now).
+        extra = {k: v for k, v in state.items()
+                 if k not in _PICKLED and k not in _REMADE}
+        numbers = ScaleState(state["_scale_value"], state["_growth_factor"],
+                             state["_backoff_factor"], state["_growth_interval"],
+                             state["_tracker"], state["_steps"], state["_skipped_steps"],
+                             state["_last_step_skipped"], state.get("_as_of_step"))
+        self.__dict__.update(extra)
+        self._m = ScalerMachine(self, state["_enabled"], state["_device"], None, numbers)
+        self._m.updated_by_backward = state.get("_updated_by_backward", False)
+
+    def __repr__(self) -> str:
+        m = self._m
+        s = m.s
+        # Inside a trace the scale is on the device, and reading it is refused.
+        traced = m.enabled and _tracing.mode(m.be()) is not None
+        scale = "<on the device, in a trace>" if traced else self.get_scale()
+        return (
+            f"GradScaler(scale={scale}, growth_factor={s.growth_factor},"
+            f" backoff_factor={s.backoff_factor},"
+            f" growth_interval={s.growth_interval}, enabled={m.enabled})"
+        )
+
+
+# What a pickle from before held beside _PICKLED, all remade on loading.
+_REMADE = ("_backend", "_process_group", "_dev", "_trace_copy", "_ledger", "_param_lists",
+           "_caps_known", "_forensics", "_tail", "_opt_states", "_checks",
+           "_handed_watched", "_handed_blind", "_saw_backward")

@@ -41,6 +41,7 @@ which MegEngine's own traced step does not (test_megengine_trace.py).
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -71,9 +72,9 @@ class DeviceScale(interface.TracedScale):
     MegEngine tensors, with the step's check, skip and scale update as device ops."""
 
     def __init__(self, scale: float, tracker: int, skipped: int):
-        # The core makes this with the scaler, outside any trace: a tensor made part-way
-        # through a traced call breaks the next calls ("expect external node, got
-        # internal"). exclude_from_trace() only guards a call from inside one.
+        # The core makes this right before a traced call starts, outside it: a tensor
+        # made part-way through a traced call breaks the next calls ("expect external
+        # node, got internal"). exclude_from_trace() only guards a call from inside one.
         with exclude_from_trace():
             self.scale_t = megengine.tensor(scale, dtype="float32")
             self.tracker_t = megengine.tensor(tracker, dtype="int32")
@@ -188,6 +189,28 @@ class DeviceScale(interface.TracedScale):
             self.tracker_t._reset(megengine.tensor(tracker, dtype="int32"))
 
 
+# Run right before each traced call starts (TracedSteps.before_traces): the live
+# scalers' own callbacks, held weakly. A fact about which scalers are alive, as
+# forensics' set of readers is; no scaler's state is shared through it.
+_before_traces: list[weakref.WeakMethod] = []
+
+
+def _call_before_traces(call: Any) -> Any:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _tracing.is_tracing():  # (a trace called inside a trace: already done)
+            live = []
+            for ref in _before_traces:
+                callback = ref()
+                if callback is not None:
+                    callback()
+                    live.append(ref)
+            _before_traces[:] = live
+        return call(self, *args, **kwargs)
+
+    __call__.__wrapped_by_unified_amp__ = call  # type: ignore[attr-defined]
+    return __call__
+
+
 class TracedSteps(interface.Tracing):
     """Whether a ``megengine.jit.trace`` is running, and the scale that lives on the
     device for it (unified_amp/_tracing.py has the policy)."""
@@ -218,3 +241,11 @@ class TracedSteps(interface.Tracing):
                      skipped: int) -> DeviceScale:
         # On the default device, where MegEngine's optimizers put their state too.
         return DeviceScale(scale, tracker, skipped)
+
+    def before_traces(self, callback: Any) -> None:
+        # Every traced call goes through trace.__call__ (looked up on the class at each
+        # call, so traces made before this are covered too); wrapped once per process.
+        trace = megengine.jit.trace
+        if not hasattr(trace.__call__, "__wrapped_by_unified_amp__"):
+            trace.__call__ = _call_before_traces(trace.__call__)
+        _before_traces.append(weakref.WeakMethod(callback))

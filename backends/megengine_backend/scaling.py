@@ -67,15 +67,23 @@ class LossScaling(interface.LossScaling):
             return [F.full_like(y, scale) for y in ys]
         return [dy * scale for dy in dys]
 
-    # unscale_and_check() refuses a non-float32 gradient itself (ValueError, before any
-    # kernel runs), so the core need not read every dtype a second time.
-    rejects_non_float32: bool = True
-
-    def unscale_and_check(self, grads: Sequence[Any], inv_scale: float) -> Any:
-        require_float32(grads)
+    def unscale_and_check(self, grads: Sequence[Any], inv_scale: float,
+                          allow_float16: bool = False) -> Any:
+        # The kernel takes float32 only, whatever allow_float16 says: anything else is
+        # refused here (ValueError, before any kernel runs), not on its worker thread.
+        dtypes = set(map(_dtype_of, grads))
+        if len(dtypes) != 1 or _FLOAT32 not in dtypes:
+            require_float32(grads)
         # One fused kernel per device; it unscales in place and returns an int32 flag.
-        return [_check_non_finite(same, inv_scale) for same in by_device(grads)]
+        try:
+            get_device(*grads)  # one C++ pass; raises where the devices differ
+        except ValueError:
+            return [_check_non_finite(same, inv_scale) for same in by_device(grads)]
+        return [_check_non_finite(list(grads), inv_scale)]
 
     def flag_is_set(self, flag: Any) -> bool:
-        # numpy(), not item(): item() computes the size through numpy first.
-        return any(bool(f.numpy()) for f in flag)
+        for f in flag:  # one per device, usually one
+            # numpy(), not item(): item() computes the size through numpy first.
+            if f.numpy():
+                return True
+        return False

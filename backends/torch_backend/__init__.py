@@ -41,7 +41,7 @@ class TorchBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCasting,
 if TYPE_CHECKING:  # mypy holds the adapter to the interface (make typecheck)
     _backend: interface.Backend = TorchBackend()
     _versions: interface.GradVersions = TorchBackend()
-    _hooks: interface.BackwardHooks = TorchBackend()
+    _probes: interface.BackwardProbes = TorchBackend()
     _resident: interface.DeviceResident = TorchBackend()
     _native: interface.NativeScalerClass = TorchBackend()
     _collectives: interface.Collectives = TorchBackend()

@@ -352,7 +352,8 @@ def _made_for_a_with_statement() -> bool:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
-        return tx.instructions[tx.instruction_pointer].opname in ("BEFORE_WITH", "SETUP_WITH")
+        at = tx.instruction_pointer
+        return at is not None and tx.instructions[at].opname in ("BEFORE_WITH", "SETUP_WITH")
     except Exception:
         return False
 
@@ -430,11 +431,12 @@ def _never_a_frame_of_its_own(*functions: Any) -> None:
     torch.autocast objects made eagerly, which dynamo cannot leave (torch 2.14), or a
     traced block it cannot rebuild (torch 2.7-2.10).
     """
-    from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+    from torch._C._dynamo import eval_frame
 
-    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP,
+                                         eval_frame._FrameAction.SKIP)
     for fn in functions:
-        set_code_exec_strategy(fn.__code__, skip)
+        eval_frame.set_code_exec_strategy(fn.__code__, skip)
 
 
 _never_a_frame_of_its_own(amp_autocast.__new__, amp_autocast.__init__, amp_autocast.__enter__,

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from unified_amp import interface
 
+# Whether this build has torch.distributed at all: a fact of the build.
+_DISTRIBUTED = dist.is_available()
 _DTensor: Any = None
 
 
@@ -27,7 +29,8 @@ class Collectives(interface.Collectives, interface.DataParallelHooks):
     """Process groups, the flag's MAX all-reduce, and what DDP and FSDP expose."""
 
     def world_group(self) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
+        # Asked at every step in a single process: one call there.
+        if not (_DISTRIBUTED and dist.is_initialized()):
             return None
         return dist.group.WORLD if dist.get_world_size() > 1 else None
 

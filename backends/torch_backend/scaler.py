@@ -45,38 +45,63 @@ _HOST_SIDE = ("scale", "backward", "unscale", "unscale_", "step", "update", "get
 
 
 def _run_eagerly(cls: type) -> type:
-    def eager(name: str, own: Any) -> Any:
-        # The class's own override, else the core's method looked up at call time (a
-        # patched or overridden one too).
-        @functools.wraps(own or getattr(GradScaler, name))
+    # Classes whose next class after cls is the core's GradScaler (so its method, looked
+    # up at call time, patched or not, is the one super() would find): decided once each.
+    direct: dict[type, bool] = {}
+
+    def next_is_core(owner: type) -> bool:
+        known = direct.get(owner)
+        if known is None:
+            mro = owner.__mro__
+            known = direct[owner] = mro[mro.index(cls) + 1] is GradScaler
+        return known
+
+    def eager(name: str) -> Any:
+        @functools.wraps(getattr(GradScaler, name))
         def core(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if own is not None:
-                return own(self, *args, **kwargs)
-            return getattr(super(cls, self), name)(*args, **kwargs)
+            result = getattr(super(cls, self), name)(*args, **kwargs)
+            if name == "scale":
+                _note_outputs_device(self, args, kwargs)
+            return result
 
         disabled = torch.compiler.disable(core)
         if not _CHEAP_EAGER:
             return disabled
 
-        @functools.wraps(own or getattr(GradScaler, name))
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # Under compiled code (dynamo's frame evaluator installed: a graph-broken
-            # or eagerly run part of a compiled function) through disable(), so that
-            # the core's frames are never compiled; eagerly the core directly, without
-            # the disable wrapper's two frame-evaluator switches (microseconds per call,
-            # and scale/step/update run every step).
-            if _frame_evaluator() is not None:
-                return disabled(self, *args, **kwargs)
-            return core(self, *args, **kwargs)
+        # Under compiled code (dynamo's frame evaluator installed: a graph-broken or
+        # eagerly run part of a compiled function) through disable(), so that the
+        # core's frames are never compiled; eagerly the core's method directly, without
+        # the disable wrapper's two frame-evaluator switches (microseconds per call, and
+        # scale/step/update run every step).
+        if name == "scale":
+            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if _frame_evaluator() is not None:
+                    return disabled(self, *args, **kwargs)
+                if not next_is_core(type(self)):
+                    return core(self, *args, **kwargs)
+                out = getattr(GradScaler, name)(self, *args, **kwargs)
+                if self.__dict__.get("_outputs_device") is None:
+                    _note_outputs_device(self, args, kwargs)
+                return out
+        else:
+            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if _frame_evaluator() is not None:
+                    return disabled(self, *args, **kwargs)
+                if not next_is_core(type(self)):
+                    return core(self, *args, **kwargs)
+                return getattr(GradScaler, name)(self, *args, **kwargs)
 
+        method = functools.wraps(getattr(GradScaler, name))(method)
         # dynamo never traces into it (a call from compiled code is a graph break, as
         # for a disabled function) nor compiles its frame.
         method._torchdynamo_disable = True  # type: ignore[attr-defined]
         torch._dynamo.eval_frame.skip_code(method.__code__)  # type: ignore[attr-defined]
         return method
 
+    # The class defines none of these itself: every one is the core's.
+    assert not set(_HOST_SIDE) & set(vars(cls)), "an override would be bypassed"
     for name in _HOST_SIDE:
-        setattr(cls, name, eager(name, cls.__dict__.get(name)))
+        setattr(cls, name, eager(name))
     factor = cast(property, inspect.getattr_static(GradScaler, "scale_factor"))
     cls.scale_factor = property(  # type: ignore[attr-defined]
         torch.compiler.disable(factor.fget), torch.compiler.disable(factor.fset),
@@ -84,10 +109,8 @@ def _run_eagerly(cls: type) -> type:
     return cls
 
 
-# torch.amp's class declares _device as a str; the core's may be None (no device given).
-# torch.amp's methods that would read it are all the core's here.
 @_run_eagerly
-class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
+class TorchGradScaler(GradScaler, torch.amp.GradScaler):
     """``unified_amp.GradScaler`` on the torch backend; also a ``torch.amp.GradScaler``.
 
     All behaviour is the core's (torch.amp's ``__init__`` never runs). The private
@@ -101,14 +124,6 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
     def _device_scale(self) -> TorchDeviceScale | None:
         # This adapter's device_scale() made it, so it is this adapter's class.
         return cast("TorchDeviceScale | None", self.adapter_view.device_scale)
-
-    def scale(self, outputs: Any) -> Any:
-        out = super().scale(outputs)
-        if self.__dict__.get("_outputs_device") is None:
-            self._outputs_device = _first_tensor_device(outputs)
-        return out
-
-    scale.__doc__ = GradScaler.scale.__doc__
 
     def _torch_device(self) -> torch.device:
         """Where torch.amp's scaler would keep its scale tensor: on the device of the
@@ -153,6 +168,29 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
 
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
+
+    # torch.amp keeps its settings as plain attributes; code in the wild reads them.
+    @property
+    def _enabled(self) -> bool:  # type: ignore[override]
+        return self.adapter_view.enabled
+
+    @property
+    def _device(self) -> str | None:  # type: ignore[override]
+        """The device the scaler was made for (None: not given; it then scales on
+        whatever device the outputs live on)."""
+        return self.adapter_view.device
+
+    @property
+    def _growth_factor(self) -> float:  # type: ignore[override]
+        return self.get_growth_factor()
+
+    @property
+    def _backoff_factor(self) -> float:  # type: ignore[override]
+        return self.get_backoff_factor()
+
+    @property
+    def _growth_interval(self) -> int:  # type: ignore[override]
+        return self.get_growth_interval()
 
     # torch.amp keeps the values its lazily made _scale/_growth_tracker tensors start
     # from; load_state_dict() and unpickling set them. There is no lazy start here, so
@@ -237,6 +275,14 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):  # type: ignore[misc]
                 for device, flag in found.items()}
 
 
+def _note_outputs_device(scaler: Any, args: tuple, kwargs: dict) -> None:
+    """After scale(): the device of the first outputs it scaled, where torch.amp would
+    have made its scale tensor (TorchGradScaler._torch_device)."""
+    if scaler.__dict__.get("_outputs_device") is None:
+        outputs = args[0] if args else kwargs.get("outputs")
+        scaler._outputs_device = _first_tensor_device(outputs)
+
+
 def _first_tensor_device(outputs: Any) -> torch.device | None:
     if isinstance(outputs, torch.Tensor):
         return outputs.device
@@ -248,7 +294,7 @@ def _first_tensor_device(outputs: Any) -> torch.device | None:
     return None
 
 
-class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):  # type: ignore[misc]
+class TorchCudaGradScaler(TorchGradScaler, torch.cuda.amp.GradScaler):
     """The same, made for CUDA: also a ``torch.cuda.amp.GradScaler`` (older runners
     check that class)."""
 

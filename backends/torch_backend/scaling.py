@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -10,17 +11,25 @@ from unified_amp import interface
 
 # device -> (a float, that float as a float32 0-dim tensor on the device)
 _Cache = dict[torch.device, tuple[float, torch.Tensor]]
+_device_of = operator.attrgetter("device")
+_dtype_of = operator.attrgetter("dtype")
+_is_sparse = operator.attrgetter("is_sparse")
 
 
 def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any,
-                                 cache: _Cache | None = None
+                                 cache: _Cache | None = None, allow_float16: bool = True
                                  ) -> dict[torch.device, torch.Tensor]:
     """torch's fused kernel over grads of any devices/dtypes (it takes one of each per
     call); ``inv_scale`` is a float or a float32 0-dim tensor. Returns a found_inf flag
     (float32) per device. No host sync. ``cache``: where the float's tensor per device
-    is kept between calls (the kernel only reads it)."""
+    is kept between calls (the kernel only reads it). ``allow_float16`` False: a
+    float16 gradient raises ValueError before any kernel runs."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
+    devices, dtypes = set(map(_device_of, grads)), set(map(_dtype_of, grads))
+    if len(devices) == 1 and len(dtypes) == 1 and not any(map(_is_sparse, grads)):
+        # The usual case, one kernel call: found without a Python step per gradient.
+        groups[(devices.pop(), dtypes.pop())] = list(grads)
+    for g in grads if not groups else ():
         if g.is_sparse:
             g = g._values()
         key = (g.device, g.dtype)
@@ -29,6 +38,8 @@ def check_and_unscale_per_device(grads: Sequence[torch.Tensor], inv_scale: Any,
             groups[key] = [g]
         else:
             same.append(g)
+    if not allow_float16 and any(dtype == torch.float16 for _, dtype in groups):
+        raise ValueError("Attempting to unscale FP16 gradients.")
     found: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for (device, _), same in groups.items():
@@ -64,9 +75,11 @@ def _float32_scalar(value: float, device: torch.device, cache: _Cache | None
 
 def check_and_unscale(grads: Sequence[torch.Tensor], inv_scale: Any,
                       found_on: torch.device | None = None,
-                      cache: _Cache | None = None) -> torch.Tensor:
+                      cache: _Cache | None = None, allow_float16: bool = True
+                      ) -> torch.Tensor:
     """The same, as one flag on ``found_on`` (default: the first gradient's device)."""
-    found = list(check_and_unscale_per_device(grads, inv_scale, cache).values())
+    found = list(check_and_unscale_per_device(grads, inv_scale, cache,
+                                              allow_float16).values())
     if found_on is None and len(found) == 1:
         return found[0]  # the usual case: one device, no copy to make
     target = found_on or found[0].device
@@ -88,7 +101,6 @@ class LossScaling(interface.LossScaling):
     """Multiplying by the scale as torch.amp does, and the fused check of the gradients."""
 
     scale_key_aliases: tuple[str, ...] = ()
-    rejects_non_float32: bool = False  # torch's kernel takes float16 too: the core checks
 
     _scale_cache: _Cache
     _inv_cache: _Cache
@@ -99,6 +111,9 @@ class LossScaling(interface.LossScaling):
         return _float32_scalar(scale, device, self._scale_cache)
 
     def scale(self, y: torch.Tensor, scale: float) -> torch.Tensor:
+        cached = self._scale_cache.get(y.device)  # (once per step: the cache inline)
+        if cached is not None and cached[0] == scale:
+            return y * cached[1]
         return y * self._scale_tensor(scale, y.device)
 
     def scaled_cotangents(self, ys: Sequence[torch.Tensor], dys: Sequence[Any] | None,
@@ -107,8 +122,11 @@ class LossScaling(interface.LossScaling):
             return [torch.full_like(y, scale) for y in ys]
         return [dy * self._scale_tensor(scale, dy.device) for dy in dys]
 
-    def unscale_and_check(self, grads: Sequence[torch.Tensor], inv_scale: float) -> Any:
-        return check_and_unscale(grads, inv_scale, cache=self._inv_cache)
+    def unscale_and_check(self, grads: Sequence[torch.Tensor], inv_scale: float,
+                          allow_float16: bool = False) -> Any:
+        # The grouping by dtype reads every dtype already: float16 is refused there.
+        return check_and_unscale(grads, inv_scale, cache=self._inv_cache,
+                                 allow_float16=allow_float16)
 
     def flag_is_set(self, flag: torch.Tensor) -> bool:
         return bool(flag.item())

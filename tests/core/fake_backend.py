@@ -294,7 +294,6 @@ class FakeBackend(interface.Backend):
         return norm
 
     scale_key_aliases: tuple[str, ...] = ()
-    rejects_non_float32: bool = False
 
     def scale(self, y, scale):
         return FakeTensor([v * scale for v in y.values], y.dtype,
@@ -305,7 +304,9 @@ class FakeBackend(interface.Backend):
             return [FakeTensor([scale]) for _ in ys]
         return [FakeTensor([d.values[0] * scale]) for d in dys]
 
-    def unscale_and_check(self, grads, inv_scale):
+    def unscale_and_check(self, grads, inv_scale, allow_float16=False):
+        if not allow_float16 and any(g.dtype == "float16" for g in grads):
+            raise ValueError("the fake check refuses float16 unless allowed")
         found = False
         for g in grads:
             g.values = [v * inv_scale for v in g.values]
@@ -465,8 +466,8 @@ class DistributedFakeBackend(FakeBackend, interface.Collectives,
     def rank(self, value):
         self._local.rank = value
 
-    def unscale_and_check(self, grads, inv_scale):
-        flag = super().unscale_and_check(grads, inv_scale)
+    def unscale_and_check(self, grads, inv_scale, allow_float16=False):
+        flag = super().unscale_and_check(grads, inv_scale, allow_float16)
         if any(getattr(g, "kind", "local") == "dtensor" for g in grads):
             flag = {"found": bool(self.group.exchange(self.rank, flag["found"], "dtensor"))}
         return flag

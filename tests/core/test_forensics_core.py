@@ -67,7 +67,8 @@ def test_report_names_the_nonfinite_gradients_of_a_watched_model(fake, net, form
         "step": 2, "scale": 8.0, "loss": 0.25, "checked": 2,
         "gradients": [{"name": "head.weight", "shape": [1], "inf": 1, "nan": 0}],
         "traced": False, "first_nonfinite": None, "bad_samples": [],
-        "forward_in_trace": False, "cause": "backward", "line": report.line()}
+        "forward_in_trace": False, "overflows_since_update": 1, "cause": "backward",
+        "line": report.line()}
     assert str(report) == report.line() == (
         "unified_amp: step 2 skipped (scale 8, loss 0.25): inf/NaN gradients in 1 of 2"
         " parameters: head.weight (1 inf of 1); the loss was finite, so the scaled"

@@ -272,21 +272,19 @@ def test_float16_gradients_are_refused(fake):
 
 
 class _Float32OnlyBackend(FakeBackend):
-    """An adapter whose fused check takes float32 gradients only and says so
-    (``rejects_non_float32``, as MegEngine's): it refuses anything else itself."""
-
-    rejects_non_float32 = True
+    """An adapter whose fused check takes float32 gradients only (as MegEngine's): it
+    refuses anything else itself, before any kernel runs."""
 
     def __init__(self):
         super().__init__()
         self.kernel_calls = 0
 
-    def unscale_and_check(self, grads, inv_scale):
+    def unscale_and_check(self, grads, inv_scale, allow_float16=False):
         for g in grads:
             if g.dtype != "float32":
                 raise ValueError(f"the fused check takes float32 only; got {g.dtype}")
         self.kernel_calls += 1
-        return super().unscale_and_check(grads, inv_scale)
+        return super().unscale_and_check(grads, inv_scale, allow_float16)
 
 
 @pytest.mark.parametrize("dtype,message", [
@@ -510,7 +508,7 @@ def test_stats_before_any_step():
         assert amp.GradScaler(init_scale=8.0).stats() == {
             "scale": 8.0, "growth_tracker": 0, "steps": 0, "skipped_steps": 0,
             "last_step_skipped": False, "enabled": True, "as_of_step": 0,
-            "overflows": []}
+            "checks_since_update": 0, "overflows_since_update": 0, "overflows": []}
 
 
 # -- gradient generations ----------------------------------------------------------------

@@ -4,6 +4,7 @@ need the host raise UnsupportedTraceError and change nothing, and the scale the 
 starts from is the host's. MegEngine's real trace: tests/native/test_megengine_trace.py."""
 
 import math
+import weakref
 
 import pytest
 
@@ -71,16 +72,36 @@ class FakeDeviceScale:
 
 
 class TracingFake(FakeBackend, interface.Tracing):
+    """Its "trace" is a switch: setting ``tracing`` to a mode starts one, first calling
+    what ``before_traces`` registered (as the MegEngine adapter does before each traced
+    call)."""
+
     trace_name = "fake.trace"
 
     def __init__(self):
         super().__init__()
-        self.tracing = None  # None, "rerun" or "once"
+        self._tracing = None  # None, "rerun" or "once"
         self.copies = []
         self.reads_in_trace = 0
+        self.before = []  # weak methods
+
+    @property
+    def tracing(self):
+        return self._tracing
+
+    @tracing.setter
+    def tracing(self, mode):
+        if mode is not None and self._tracing is None:
+            for ref in self.before:
+                if ref() is not None:
+                    ref()()
+        self._tracing = mode
+
+    def before_traces(self, callback):
+        self.before.append(weakref.WeakMethod(callback))
 
     def trace_mode(self):
-        return self.tracing
+        return self._tracing
 
     def trace_refusal(self):
         return None  # no framework setting stands in the way
@@ -151,20 +172,24 @@ def test_traced_steps_read_nothing_back_and_train_as_eager_ones(fake):
 
 
 def test_the_trace_starts_from_the_hosts_current_scale(fake):
+    """Eager steps write nothing to the device: the trace copy of the scale is made, or
+    brought up to date, right before a trace starts, from the host's current values."""
     params, opt = model()
     scaler = amp.GradScaler(init_scale=2.0**4, growth_interval=2)
-    copy = fake.copies[-1]  # made with the scaler
     for overflow in (True, False, False, False):
         torch_form(scaler, params, opt, overflow)
-    assert (copy.scale_v, copy.tracker_v, copy.skipped_v) == (16.0, 1, 1)
     scaler.scale_factor = 64.0
-    assert (copy.scale_v, copy.tracker_v, copy.skipped_v) == (64.0, 1, 1)
+    assert fake.copies == []  # no trace has started yet
     fake.tracing = "rerun"
+    (copy,) = fake.copies
+    assert (copy.scale_v, copy.tracker_v, copy.skipped_v) == (64.0, 1, 1)
     torch_form(scaler, params, opt, True)
     fake.tracing = None
     assert scaler.get_scale() == 32.0 and scaler.stats()["skipped_steps"] == 2
     writes = copy.writes
     torch_form(scaler, params, opt, False)  # eager again: the scale stays on the device
+    fake.tracing = "rerun"
+    fake.tracing = None
     assert copy.writes == writes and scaler.get_scale() == 32.0
 
 
@@ -217,7 +242,7 @@ def test_outside_a_trace_nothing_changes(fake):
     scaler = amp.GradScaler(init_scale=2.0**4)
     _backward(scaler, params, opt)
     scaler.get_scale()
-    assert scaler._dev is None
+    assert scaler.adapter_view.device_scale is None
 
 
 @pytest.mark.parametrize("case", ["once", "inexact-factor", "made-inside", "refused"])
@@ -235,7 +260,7 @@ def test_a_trace_the_scaler_cannot_follow_raises_before_scaling(fake, case):
     with pytest.raises(amp.UnsupportedTraceError, match=match):
         scaler.scale(loss_of(params, False))
     fake.tracing = None
-    assert scaler._dev is None
+    assert scaler.adapter_view.device_scale is None
 
 
 def _host(scaler):
@@ -243,38 +268,29 @@ def _host(scaler):
     return state["scale"], state["_growth_tracker"], scaler.stats()["skipped_steps"]
 
 
-def test_backward_writes_the_copy_ahead_and_corrects_it_after_an_overflow(fake):
-    """backward(gm, loss) writes the trace copy before its backward pass with the
-    values a clean step gives; after each step, overflow or not, the copy holds the
-    host's values, so a trace that starts next starts from them."""
+def test_eager_automatic_steps_write_no_copy_and_each_trace_starts_from_the_host(fake):
+    """backward(gm, loss) eagerly, overflows among the steps: nothing is written to the
+    device, and whenever a trace starts the copy holds the host's values."""
     params, opt = model()
     scaler = amp.GradScaler(init_scale=2.0**4, growth_interval=2)
-    copy = fake.copies[-1]
-    seen = []
     gm = amp.GradManager(params)
-    real_backward = gm.backward
-
-    def backward(ys, dys):  # what the copy holds while the backward pass runs
-        seen.append((copy.scale_v, copy.tracker_v, copy.skipped_v))
-        real_backward(ys, dys)
-
-    gm.backward = backward
-    for overflow in OVERFLOWS:
-        before = _host(scaler)
+    for i, overflow in enumerate(OVERFLOWS):
         with gm:
             scaler.backward(gm, loss_of(params, overflow))
         opt.step()
         gm.zero_grad()
-        clean = next_scale(before[0], before[1], False, 2.0, 0.5, 2)
-        assert seen[-1] == (*clean, before[2])  # ahead: the clean step's values
+        writes = sum(c.writes for c in fake.copies)
+        fake.tracing = "rerun"  # a trace starts (and ends at once)
+        fake.tracing = None
+        copy = fake.copies[-1]
         assert (copy.scale_v, copy.tracker_v, copy.skipped_v) == _host(scaler)
+        assert copy.writes <= writes + 1 and len(fake.copies) == 1
     assert scaler.stats()["skipped_steps"] == 2
 
 
-def test_a_backward_that_fails_part_way_leaves_the_copy_at_the_hosts_values(fake):
+def test_a_backward_that_fails_part_way_leaves_the_hosts_values_for_the_next_trace(fake):
     params, opt = model()
     scaler = amp.GradScaler(init_scale=2.0**4, growth_interval=2)
-    copy = fake.copies[-1]
     gm = amp.GradManager(params)
     with gm:
         scaler.backward(gm, loss_of(params, False))
@@ -289,11 +305,14 @@ def test_a_backward_that_fails_part_way_leaves_the_copy_at_the_hosts_values(fake
         with gm:
             scaler.backward(gm, loss_of(params, False))
     assert _host(scaler) == before
+    fake.tracing = "rerun"
+    fake.tracing = None
+    copy = fake.copies[-1]
     assert (copy.scale_v, copy.tracker_v, copy.skipped_v) == before
 
 
 def test_traced_steps_after_eager_automatic_ones_train_as_eager_ones(fake):
-    """Automatic-mode steps eagerly (the copy written ahead, an overflow among them),
+    """Automatic-mode steps eagerly (an overflow among them, nothing written to the device),
     then traced steps in torch.amp's form: the same weights and scales as all eager."""
     def steps(traced_from):
         params, opt = model()

@@ -157,5 +157,5 @@ def test_telemetry_snapshots_do_not_pile_up_without_stats_calls():
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-    assert len(scaler._dev._in_flight) <= 1  # on CPU every copy has landed at once
+    assert len(scaler.adapter_view.device_scale._in_flight) <= 1  # on CPU every copy has landed at once
     assert scaler.stats()["as_of_step"] == 50

@@ -576,6 +576,29 @@ def test_forgetting_to_scale_raises_instead_of_shrinking_gradients():
     assert state_bytes([model], []) != weights  # the proper iterations did step
 
 
+def test_the_backward_watch_needs_no_hook_and_keeps_its_errors():
+    """The scaler learns whether a backward went through a scale() output only when it
+    asks, at the step (autograd frees what the output's node saved): a backward that
+    keeps the graph is no false alarm, and a backward through an output scaled before an
+    unscale_() but run after it is still found to have mixed scaled into unscaled
+    gradients."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = OURS("cpu", init_scale=4.0)
+    scaler.scale((w * 2).sum()).backward(retain_graph=True)
+    scaler.step(opt)  # no "no backward pass has gone through" error
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale((w * 2).sum()).backward()  # micro-batch 1
+    later = scaler.scale((w * 3).sum())  # micro-batch 2, scaled before the unscale
+    scaler.unscale_(opt)
+    later.backward()  # adds scaled gradients into unscaled ones
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match="then a backward pass added scaled gradients"):
+        scaler.step(opt)
+    assert torch.equal(w.detach(), before)
+
+
 def test_automatic_mode_then_scaler_step_unscales_once():
     """scaler.backward(gm, loss) unscales and updates; a torch user's habitual
     scaler.step(opt) afterwards must neither unscale again nor step an overflow."""

@@ -19,6 +19,20 @@ def observed(scaler):
             scaler.get_growth_interval(), scaler._init_scale, scaler._init_growth_tracker)
 
 
+def test_the_settings_read_as_torch_amps_private_attributes():
+    def run(GradScaler, enabled=True):
+        scaler = GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.25,
+                            growth_interval=5, enabled=enabled)
+        if not enabled:  # torch.amp keeps no factors then
+            return scaler._enabled, scaler._device
+        scaler.set_growth_factor(3.0)
+        return (scaler._enabled, scaler._device, scaler._growth_factor,
+                scaler._backoff_factor, scaler._growth_interval)
+
+    assert run(OURS) == run(NATIVE) == (True, "cpu", 3.0, 0.25, 5)
+    assert run(OURS, False) == run(NATIVE, False) == (False, "cpu")
+
+
 @pytest.mark.parametrize("scaled_first", [False, True], ids=["lazy", "initialised"])
 def test_load_state_dict_sets_the_init_values(scaled_first):
     def run(GradScaler):
