@@ -28,7 +28,11 @@ class AdapterView:
       once any all-reduce of it finished) are the declared members of a check;
     - ``check_only(optimizer)``: checks the optimizer's gradients without unscaling
       them (torch's older ``step(grad_scaler=...)`` contract: the optimizer unscales),
-      recorded for that optimizer and counted by the next ``update()``.
+      recorded for that optimizer and counted by the next ``update()``;
+    - ``step_deferred(step, optimizer, args, kwargs)``: runs ``step`` (the scaler's
+      ``step``, or any call that may reach it) with the optimizer's own ``step()`` taken
+      out, and returns ``(the call to make, or None; step's result)``: what the scaler
+      would have called, for the adapter to call where its compiler can follow it.
     """
 
     __slots__ = ("_m",)
@@ -62,6 +66,16 @@ class AdapterView:
     def checks_of(self, optimizer: Any) -> list[Check]:
         state = self._m.it.opt_states.get(id(optimizer))
         return [] if state is None else list(state.checks)
+
+    def step_deferred(self, step: Any, optimizer: Any, args: tuple, kwargs: dict
+                      ) -> tuple[tuple[Any, tuple, dict] | None, Any]:
+        m = self._m
+        m.defer_steps, m.deferred = True, None
+        try:
+            result = step(optimizer, *args, **kwargs)
+            return m.deferred, result
+        finally:
+            m.defer_steps, m.deferred = False, None
 
     def check_only(self, optimizer: Any) -> Check:
         m = self._m

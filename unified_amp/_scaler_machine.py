@@ -54,9 +54,22 @@ class ScalerMachine:
         self.tail: dict[int, list[Check]] = {}
         self.optimizer_params = OptimizerParams()
         self.scaler = weakref.ref(scaler)  # its public get_scale(), for reports
+        # An adapter may take the optimizer's own step out of step() (defer_steps): torch
+        # does inside a compiled function, so that dynamo compiles the optimizer's step
+        # as it does under torch.amp, while the scaler's host work runs eagerly.
+        self.defer_steps = False
+        self.deferred: tuple[Any, tuple, dict] | None = None
         self._new_iteration()
         if enabled:
             self._caps()  # (an adapter with traces calls flush_trace_copy from now on)
+
+    def call_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        """``optimizer.step(*args, **kwargs)``, or, with ``defer_steps``, a note for the
+        caller to make that call itself (and None)."""
+        if self.defer_steps:
+            self.deferred = (optimizer, args, kwargs)
+            return None
+        return optimizer.step(*args, **kwargs)
 
     # -- the adapter ----------------------------------------------------------------------
     def be(self) -> Any:

@@ -120,8 +120,8 @@ def step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
     it.add(check)
     m.record(pending, grads, check, weak=False)  # held until update()
     state = it.opt_state(optimizer)
-    result = None if check.verdict(backend.flag_is_set) else optimizer.step(*args,
-                                                                            **kwargs)
+    result = None if check.verdict(backend.flag_is_set) else m.call_step(optimizer, args,
+                                                                         kwargs)
     state.stage = Stage.STEPPED
     state.checks = [check]
     return result
@@ -211,7 +211,7 @@ def _step_unless_found(m: ScalerMachine, optimizer: Any, checks: list[Check],
     read = m.backend.flag_is_set
     if any(c.verdict(read) for c in checks):  # the one sync per step
         return None
-    return optimizer.step(*args, **kwargs)
+    return m.call_step(optimizer, args, kwargs)
 
 
 def _tail_step(m: ScalerMachine, optimizer: Any, checks: list[Check], on_device: bool,

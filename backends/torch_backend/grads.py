@@ -86,6 +86,21 @@ class _Tape:
 
 # The class of autograd's node for ``tensor * tensor`` (what the scale makes).
 _MUL_NODE = type((torch.ones(1, requires_grad=True) * torch.ones(1)).grad_fn)
+# torch >= 2.10 tells whether a saved tensor was freed without unpacking it
+# (SavedTensor.data is None); before, unpacking a freed one raises. Asked of the
+# class: a SavedTensor that outlives its node crashes the garbage collector on 2.14.
+_SAVED_HAS_DATA = hasattr(torch._C._autograd.SavedTensor, "data")
+
+
+def _freed(node: Any) -> bool:
+    """Whether a backward pass freed what the scale's multiplication saved."""
+    if _SAVED_HAS_DATA:
+        return node._raw_saved_other.data is None
+    try:
+        node._saved_other
+    except RuntimeError:  # "... after they have already been freed"
+        return True
+    return False
 
 
 def _freed_below(node: Any, limit: int = 32) -> bool:
@@ -142,7 +157,7 @@ class Gradients(interface.Gradients, interface.GradVersions,
         return node if type(node) is _MUL_NODE else None
 
     def backward_ran(self, token: Any) -> bool | None:
-        if token._raw_saved_other.data is None:
+        if _freed(token):
             return True  # freed by a backward pass through it
         return False if _freed_below(token) else None
 
