@@ -84,7 +84,8 @@ class _Float32Forward:
     def pass_caller(self, module: Any, args: tuple, kwargs: dict) -> Any:
         """The forward pre-hook: the called module, while this pin is its forward
         (nothing wrapped it since, which might not take an extra keyword)."""
-        if vars(module).get("forward") is not self:
+        # __dict__, not vars(): dynamo before torch 2.8 cannot trace vars() of a module
+        if module.__dict__.get("forward") is not self:
             return None
         return args, {**kwargs, _CALLER: module}
 
