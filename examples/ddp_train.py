@@ -69,12 +69,20 @@ def train_step(model: DDP, optimizer: Any, scaler: amp.GradScaler,
     return total, not scaler.stats()["last_step_skipped"]
 
 
+def gpu_per_process() -> bool:
+    """Whether each local process gets a GPU of its own (nccl); with fewer GPUs than
+    processes (2 ranks on a 1-GPU machine) the ranks train on CPU over gloo instead of
+    failing with an invalid device ordinal."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local
+
+
 def train(steps: int = 60, micro_batches: int = 2, micro_batch_size: int = 16,
           hidden: int = 64, lr: float = 0.1, max_norm: float = 1.0,
           overflow_at: int | None = None) -> dict[str, Any]:
     """Trains on this process's share of the data; the process group must be up."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cuda = torch.cuda.is_available()
+    cuda = gpu_per_process()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda \
         else torch.device("cpu")
     features, classes = 16, 4
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g. torchrun --standalone --nproc_per_node 2"
                      " -m examples.ddp_train")
-    cuda = torch.cuda.is_available()
+    cuda = gpu_per_process()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")

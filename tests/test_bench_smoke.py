@@ -197,6 +197,7 @@ def test_defaults_cost_benchmark_times_each_swap_beside_a_control(tmp_path):
     for ratio in ratios:
         assert 0.2 < ratio["median"] < 5.0
     work = result["python_work"]
-    assert set(work) == {"mlp", *(("automatic 10", "automatic 100") if backend == "megengine"
-                                  else ())}
+    counted = {"mlp", *(("automatic 10", "automatic 100") if backend == "megengine" else ())}
+    # from CPython 3.12 on the bytecode count is skipped (see python_work's docstring)
+    assert set(work) == (counted if sys.version_info < (3, 12) else set())
     assert all(v["native"] > 100 and v["unified scaler"] > 100 for v in work.values())
