@@ -134,6 +134,9 @@ def test_a_subset_run_replaces_its_cells_and_keeps_the_others(tmp_path, monkeypa
         docs[path] = tmp_path / path.name
         docs[path].write_text(f"prose\n{begin}\nold\n{end}\nmore prose\n")
     monkeypatch.setattr(vm, "RESULTS", results)
+    # main() removes WORK/venv when it ends: the real one is the venv a matrix cell's
+    # suite runs in (this test among them), so it must not be the checkout's
+    monkeypatch.setattr(vm, "WORK", tmp_path / "matrix")
     monkeypatch.setattr(matrix_report, "MARKERS",
                         {docs[p]: m for p, m in matrix_report.MARKERS.items()})
     monkeypatch.setattr(matrix_report, "DOC", docs[matrix_report.DOC])
