@@ -122,6 +122,10 @@ def run_whole_step(kit: Kit, name: str, size: dict[str, int], args: argparse.Nam
                    ) -> dict[str, Any]:
     variants: dict[str, Callable[[], Any]] = {}
     compile_s: dict[str, float] = {}
+    # dynamo compiles opt.step once per optimizer object (it guards on self), and the
+    # optimizers of earlier sections count against its recompile limit of 8: past it
+    # the later variants' optimizer steps would run eagerly. A clean slate per workload.
+    torch._dynamo.reset()
     for side in WHOLE_STEP_SIDES:
         variants[side] = make_whole_step(kit, name, size, args.seed, side)
         t0 = time.perf_counter()
