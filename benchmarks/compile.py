@@ -252,7 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--sections", default="mode,workloads,whole-step",
+                   help="which parts to run, comma-separated (default: all three)")
     args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections or sections - {"mode", "workloads", "whole-step"}:
+        raise SystemExit(f"--sections takes mode, workloads and whole-step; got {args.sections!r}")
     if os.environ.get("UNIFIED_AMP_BACKEND", "torch") != "torch":
         raise SystemExit("benchmarks.compile measures torch.compile: run it with"
                          " UNIFIED_AMP_BACKEND=torch.")
@@ -271,10 +276,30 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": DTYPE, "target_unified_over_native": TARGET, "fullgraph": True,
         "schedule": {"warmup": args.warmup, "rounds": args.rounds, "steps": args.steps},
         "workloads": {}}
+    if "mode" in sections:
+        report_mode_cost(out, kit, args)
+    if "workloads" in sections:
+        report_workloads(out, kit, args, mode)
+    if "whole-step" in sections:
+        report_whole_step(out, kit, args, mode)
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if sections == {"mode", "workloads", "whole-step"} else "-" + "-".join(
+        sorted(sections))
+    path = args.out / f"torch-{kit.device}-compile{'-quick' if args.quick else ''}{suffix}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\nwrote {path}")
+    return 0
+
+
+def report_mode_cost(out: dict[str, Any], kit: Kit, args: argparse.Namespace) -> None:
     cost = out["contract_mode_cost"] = mode_cost(kit, args)
     print(f"contract mode: {cost['us_added_per_call']:.3f} us added per torch call"
           f" ({cost['us_per_call_plain']:.3f} -> {cost['us_per_call_with_mode']:.3f} us for"
           f" a 4-element add); torch calls per forward: {cost['torch_calls_per_forward']}")
+
+
+def report_workloads(out: dict[str, Any], kit: Kit, args: argparse.Namespace, mode: str
+                     ) -> None:
     for name in args.workloads.split(","):
         size = lookup(SIZES, "torch", kit.device, mode)[name]
         res = run_workload(kit, name, size, args)
@@ -289,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         v = res["unified speedup / native speedup"]
         print(f"  unified speedup / native speedup             median {v['median']:.4f}"
               f"  [q1 {v['q1']:.4f}, q3 {v['q3']:.4f}]")
+
+
+def report_whole_step(out: dict[str, Any], kit: Kit, args: argparse.Namespace, mode: str
+                      ) -> None:
     out["whole_step_compiled"] = {}
     for name in args.workloads.split(","):
         size = lookup(SIZES, "torch", kit.device, mode)[name]
@@ -299,11 +328,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k:40s} {v:10.3f} ms/step (median)")
         for k, v in res["ratios"].items():
             print(f"  {k:48s} median {v['median']:.4f}  [q1 {v['q1']:.4f}, q3 {v['q3']:.4f}]")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"torch-{kit.device}-compile{'-quick' if args.quick else ''}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"\nwrote {path}")
-    return 0
 
 
 if __name__ == "__main__":
