@@ -537,6 +537,19 @@ OPTIMIZERS = {
 }
 
 
+def amp_step(model, opt, scaler, block):
+    """torch.amp's training step (forward in the block, scaled backward, step, update)."""
+    def step(x, y):
+        with block():
+            loss = loss_of(model, x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 def train(native, compiled, optimizer, steps=4, overflow_at=1):
     """A few steps of torch.amp's loop (unified: contract=False), one of them overflowing;
     ``compiled`` says what torch.compile wraps: the model, opt.step or the whole step."""
@@ -553,15 +566,7 @@ def train(native, compiled, optimizer, steps=4, overflow_at=1):
     if compiled == "opt.step":
         opt.step = torch.compile(opt.step, backend="aot_eager")
 
-    def step(x, y):
-        with autocast():
-            loss = loss_of(model, x, y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return loss
-
+    step = amp_step(model, opt, scaler, autocast)
     if compiled == "step":
         step = torch.compile(step, backend="aot_eager")
     history = []
@@ -594,17 +599,7 @@ def _compiled_step_graph_ops(native):
     else:
         scaler, block = amp.GradScaler("cpu"), lambda: amp.autocast(dtype=BF16, contract=False)
     rec = Recorder()
-
-    @torch.compile(backend=rec)
-    def step(x, y):
-        with block():
-            loss = loss_of(model, x, y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return loss
-
+    step = torch.compile(amp_step(model, opt, scaler, block), backend=rec)
     for i in range(2):
         step(*data(i))
     targets = {str(getattr(n.target, "__name__", n.target)) for g in rec.dynamo
