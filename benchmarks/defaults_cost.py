@@ -15,6 +15,11 @@ machine's noise alone makes of 1.0.
    scaler only; ``amp.autocast(contract=False)`` only; ``amp.autocast()`` only (the
    dtype contract on, the default); both with the contract off; both with the defaults.
    Each variant trains a model of its own, made in an order that turns from run to run.
+   On torch a second, smaller table measures the floor of the contract's design:
+   ``torch.autocast`` with a ``TorchFunctionMode`` that does nothing but call the
+   function, beside ``amp.autocast()`` only, native and the control (what any function
+   mode costs each torch call in the block; the contract's mode is one). Its own run:
+   timed among the first table's variants it moved theirs by 1-2 points.
    Timed in blocks of steps between syncs, in CPU time of the Python thread (the host's
    work, which is what a launch-bound step waits on; robust to a shared machine).
 2. **MegEngine's automatic and manual steps** at 10, 100 and 1000 parameter tensors of 64
@@ -71,6 +76,8 @@ ROWS = (
     ("both, contract off", True, True, False),
     ("both, the defaults", True, True, True),
 )
+# torch only: the mechanism's floor (see the docstring, part 1).
+FLOOR_ROW = "torch.autocast + an empty function mode"
 _clock = time.thread_time
 
 
@@ -112,19 +119,50 @@ def _scaler(backend: str, device: str) -> Any:
     return amp.GradScaler(device) if backend == "torch" else amp.GradScaler(init_scale=2.0**4)
 
 
+def _native_with_empty_mode(device: str, dtype: str) -> Callable[[], Any]:
+    """A factory for ``torch.autocast`` with a function mode that only calls through: the
+    cost of the mode mechanism alone, which ``amp.autocast()``'s contract mode pays on
+    every torch call in the block before it does any work of its own."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Empty(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    class Block:  # a class, not a generator: no cost of its own beyond torch.autocast's
+        def __enter__(self) -> None:
+            self.ac = torch.autocast(device, dtype=getattr(torch, dtype))
+            self.ac.__enter__()
+            self.mode = Empty()
+            self.mode.__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.mode.__exit__(*exc)
+            self.ac.__exit__(*exc)
+
+    return Block
+
+
 def mlp_table(kit: Any, backend: str, dtype: str, rounds: int, steps: int, warmup: int,
-              turn: int) -> dict[str, Any]:
-    """Part 1: the MLP step with each swap, beside the native step and a control."""
+              turn: int, rows: tuple[str, ...] = tuple(r[0] for r in ROWS)
+              ) -> dict[str, Any]:
+    """Part 1: the MLP step with each swap in ``rows``, beside the native step and a
+    control."""
     def make(name: str) -> Callable[[int], float]:
         w = _mlp(kit, seed=0)
         if name in ("native", "control"):
             return _blocks(kit, kit.native_step(w, dtype))
+        if name == FLOOR_ROW:
+            return _blocks(kit, kit.native_step(
+                w, dtype, autocast=_native_with_empty_mode(kit.device, dtype)))
         _, scaler, autocast, contract = next(r for r in ROWS if r[0] == name)
         return _blocks(kit, kit.native_step(
             w, dtype, scaler=_scaler(backend, kit.device) if scaler else None,
             autocast=(lambda: amp.autocast(contract=contract)) if autocast else None))
 
-    names = ["native", "control", *(r[0] for r in ROWS)]
+    names = ["native", "control", *rows]
     turned = names[turn % len(names):] + names[:turn % len(names)]
     made = {name: make(name) for name in turned}  # a model made later can run differently
     times = _interleave({name: made[name] for name in names}, rounds, steps, warmup)
@@ -255,6 +293,13 @@ def table(result: dict[str, Any]) -> str:
         target = targets.get(name)
         lines.append(f"  {label:46s} {_fmt(ratio)}"
                      + (f"   target <= {target}" if target else ""))
+    floor = result.get("mode_floor")
+    if floor:
+        lines.append("The contract's mode against an empty function mode (a run of their own,"
+                     f" native {floor['native_step_s']['median'] * 1e3:.3f} ms per step):")
+        for name, ratio in floor["ratios"].items():
+            label = "nothing (the control)" if name == "control" else name
+            lines.append(f"  {label:46s} {_fmt(ratio)}")
     for form, by_n in result.get("megengine_steps", {}).items():
         for n, v in by_n.items():
             target = targets.get(f"{form} {n}")
@@ -311,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS[backend]}
     result["mlp"] = mlp_table(kit, backend, dtype, rounds, steps, args.warmup,
                               turn=int(started))
+    if backend == "torch":
+        result["mode_floor"] = mlp_table(kit, backend, dtype, rounds, steps, args.warmup,
+                                         turn=int(started), rows=("amp.autocast() only",
+                                                                  FLOOR_ROW))
     if backend == "megengine" and kit.device == "cpu":
         result["megengine_steps"] = megengine_steps(tensors, step_rounds, 2, args.warmup)
     result["workloads"] = workloads(kit, backend, dtype, mode, seed=0)

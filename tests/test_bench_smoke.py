@@ -181,6 +181,11 @@ def test_defaults_cost_benchmark_times_each_swap_beside_a_control(tmp_path):
     assert list(mlp["ratios"]) == [
         "control", "the scaler only", "amp.autocast(contract=False) only",
         "amp.autocast() only", "both, contract off", "both, the defaults"]
+    if backend == "torch":  # the mode's floor: a table of its own
+        assert list(result["mode_floor"]["ratios"]) == [
+            "control", "amp.autocast() only", "torch.autocast + an empty function mode"]
+    else:
+        assert "mode_floor" not in result
     assert mlp["dtype"] == {"torch": "bfloat16", "megengine": "float16"}[backend]
     for name, times in mlp["per_round"].items():
         assert len(times) == 3 and all(t > 0 for t in times), name
