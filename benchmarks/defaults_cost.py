@@ -185,8 +185,8 @@ def megengine_steps(tensors: tuple[int, ...], rounds: int, steps: int, warmup: i
         for n in tensors:
             # Blocks of about the same length at every size (a step costs about 40 us
             # per tensor here: 4000 // n steps are some 0.2 s), and every size the same
-            # rounds: at 1000 tensors 5 rounds of 2 steps once read 1.29 where 15 of 4
-            # read 1.0, the spread of a sample that small.
+            # rounds: at 1000 tensors 5 rounds of 2 steps read 1.23 and 1.29 in two runs,
+            # 15 rounds of 4 then 0.96: the spread of a sample that small.
             r = rounds
             k = max(steps, min(50, 4000 // n))
             makers = {"native": lambda: megengine.amp.GradScaler(init_scale=2.0**4),
