@@ -8,6 +8,10 @@
 #                              CPython 3.10-3.13, one uv venv at a time; writes
 #                              docs/versions.json and docs/VERSIONS.md (MATRIX_TORCH="2.8 2.12"
 #                              MATRIX_PYTHON=3.11: only those cells; the others are kept)
+#   make fuzz PROGRAMS=N SEED=S
+#                              the differential fuzz (tests/fuzz) alone, N programs per
+#                              test from seed S, on both backends (BACKENDS=torch: one);
+#                              make test runs its fast tier
 #   make test-integrations     tests/integrations: the runners (Lightning, Fabric, ignite,
 #                              Enchanter, accelerate; basecore on MegEngine) trained with
 #                              their framework's scaler and with unified_amp's, in
@@ -108,7 +112,7 @@ from_base = $(1)/bin/python -c 'import sys, $(2) as m; sys.exit(None if "/$(3)/"
 # logger), when there is no CUDA driver; on a CPU machine they only say it runs on CPU.
 CUDA_STUB_NOISE := ^(info: \+|debug: failed to load cuda func: )
 
-.PHONY: test test-oldest test-matrix test-integrations demo bench cifar typecheck env-torch env-megengine unknown-backend clean
+.PHONY: fuzz test test-oldest test-matrix test-integrations demo bench cifar typecheck env-torch env-megengine unknown-backend clean
 
 $(VENV_torch)/.ready: pyproject.toml constraints/torch.txt
 	@echo ">>> setting up $(VENV_torch) with $(PY_TORCH) (torch and the test tools; about 1.5 min the first time)"
@@ -170,8 +174,9 @@ env-megengine: $(VENV_megengine)/.ready
 # from the framework-free core, so before any environment is made.
 demo bench cifar: BAD_NAME = $(UNIFIED_AMP_BACKEND)
 demo bench cifar: BAD_SOURCE = the UNIFIED_AMP_BACKEND environment variable
-test test-integrations: BAD_NAME = $(BAD_TEST)
+test fuzz test-integrations: BAD_NAME = $(BAD_TEST)
 test: BAD_SOURCE = make test BACKENDS=...
+fuzz: BAD_SOURCE = make fuzz BACKENDS=...
 test-integrations: BAD_SOURCE = make test-integrations BACKENDS=...
 unknown-backend:
 	@$(PY_TORCH) -c 'import sys; from unified_amp import _registry as r; \
@@ -200,6 +205,18 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	for b in $(TEST_BACKENDS); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/$$b.log | tail -1 | tr -d '=')"; done; \
 	printf '%-10s %s\n' "mypy:" "$$typed"; \
 	exit $$status
+
+# The long fuzz: the same tests as make test's fast tier, with N programs each.
+PROGRAMS ?= 200
+SEED ?= 0
+fuzz: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))/.ready))
+	@status=0; for b in $(TEST_BACKENDS); do \
+	  echo; echo "================ fuzz: $$b, $(PROGRAMS) programs per test from seed $(SEED) ================"; \
+	  UNIFIED_AMP_BACKEND=$$b UNIFIED_AMP_FUZZ_PROGRAMS=$(PROGRAMS) UNIFIED_AMP_FUZZ_SEED=$(SEED) MEGENGINE_LOGGING_LEVEL=ERROR \
+	    .venv-$$b/bin/python -m pytest tests/fuzz -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; }; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	done; exit $$status
 
 # With torch, the real models too, in their environment (a package missing there is an
 # error as well: UNIFIED_AMP_REQUIRE_MODELS); HF_HUB_OFFLINE: nothing is downloaded.
