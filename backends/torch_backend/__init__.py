@@ -8,21 +8,40 @@ and ``scaler`` (the ``torch.amp.GradScaler`` subclass). ``TorchBackend`` is thei
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 import torch
 
 from unified_amp import interface
 
-from .autocast import Autocasting
-from .basics import Basics
-from .device_scale import DeviceResident, TorchDeviceScale
-from .distributed import Collectives
-from .forensics import ForensicsProbes
-from .grads import Gradients
-from .opt_levels import OptLevelCasting
-from .scaler import NativeScaler, TorchCudaGradScaler, TorchGradScaler
-from .scaling import LossScaling
+
+def _import_parts() -> None:
+    """Imports the adapter's modules with dynamo's frame evaluation off.
+
+    The first use of the library may be inside a compiled call, in a frame dynamo runs
+    eagerly (one it gave up on): there dynamo compiles every function called from it,
+    those that the modules below run at import included, and the autocast block's
+    entry, which runs before its marks (autocast.py's ``_never_a_frame_of_its_own``)
+    are set. Imported here first, nothing of them is compiled; the imports below find
+    them in ``sys.modules``.
+    """
+    for part in ("basics", "autocast", "device_scale", "distributed", "forensics", "grads",
+                 "opt_levels", "scaler", "scaling"):
+        importlib.import_module(f"{__name__}.{part}")
+
+
+torch.compiler.disable(_import_parts)()
+
+from .autocast import Autocasting  # noqa: E402
+from .basics import Basics  # noqa: E402
+from .device_scale import DeviceResident, TorchDeviceScale  # noqa: E402
+from .distributed import Collectives  # noqa: E402
+from .forensics import ForensicsProbes  # noqa: E402
+from .grads import Gradients  # noqa: E402
+from .opt_levels import OptLevelCasting  # noqa: E402
+from .scaler import NativeScaler, TorchCudaGradScaler, TorchGradScaler  # noqa: E402
+from .scaling import LossScaling  # noqa: E402
 
 __all__ = ["TorchBackend", "TorchGradScaler", "TorchCudaGradScaler", "TorchDeviceScale"]
 

@@ -441,5 +441,13 @@ def _never_a_frame_of_its_own(*functions: Any) -> None:
 
 _never_a_frame_of_its_own(amp_autocast.__new__, amp_autocast.__init__, amp_autocast.__enter__,
                           amp_autocast.__exit__)
+# The adapter's side of a block as well: marked here, before any of them can run. On the
+# library's first use, amp.autocast's own __enter__ is already running when the adapter
+# is imported (it imports it), so its mark comes too late for that call, and dynamo,
+# where it runs the calling frame eagerly, would compile these on their own: the eager
+# entry's autocast switches in a graph of their own, whose switches are lost (the block
+# was not in force, silently: issue 33).
+_never_a_frame_of_its_own(Autocasting.check_precision, Autocasting.enter_autocast,
+                          Autocasting.exit_autocast)
 _DECORATOR_FILE = inspect.getsourcefile(amp_autocast)
 _EVAL_FRAME_FILE = inspect.getsourcefile(torch._dynamo.eval_frame)
