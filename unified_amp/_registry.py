@@ -232,6 +232,33 @@ def loaded_backend() -> "Backend | None":
     return None if active is _NONE else active
 
 
+def _framework_already_imported() -> bool:
+    """Whether the backend ``get_backend()`` would pick now is a built-in one whose
+    framework this process has imported already, so that making its adapter imports no
+    framework. Never raises: a bad choice is reported where the backend is used."""
+    try:
+        name = _resolve_name()
+    except (UnknownBackendError, BackendUnavailableError):
+        return False
+    return name in _BUILTIN and _BUILTIN[name][1] in sys.modules
+
+
+def ready_backend() -> "Backend | None":
+    """The active adapter, made now if its framework is imported already; else None.
+
+    What an object that may outlive the current code asks when it is made: an
+    ``amp.autocast`` made at module level, after ``import torch`` and before any
+    compiled function runs, gets the adapter loaded, which tells torch.compile how to
+    trace such an object (backends/torch_backend/autocast_dynamo.py). Before its
+    framework is imported, it loads nothing."""
+    active = _active
+    if active is not _NONE:
+        return active
+    if not _framework_already_imported():
+        return None
+    return get_backend()
+
+
 def _activate() -> str:
     """Picks and loads the adapter, once per process (or after ``set_backend``); returns
     its key in ``_instances``."""
@@ -247,6 +274,7 @@ def _activate() -> str:
 # torch._dynamo.assume_constant_result sets; set by name, as the core imports no
 # framework) makes dynamo run the function as it is, once, while tracing.
 _activate._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_framework_already_imported._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _reset_for_tests() -> None:

@@ -7,7 +7,7 @@ import inspect
 from typing import Any, Callable, TypeVar, cast, overload
 
 from .interface import LOW_PRECISION
-from ._registry import get_backend, loaded_backend
+from ._registry import get_backend, ready_backend
 
 __all__ = ["autocast", "is_autocast_enabled"]
 
@@ -154,9 +154,11 @@ class autocast:
         self._configure(*args, **kwargs)
         # A backend may stand its own context manager in for the block (torch does while
         # dynamo traces a block that is exactly one torch.autocast: dynamo splits the
-        # graph at a break inside that, and at none inside a class of ours). Only one
-        # already loaded is asked: making a block loads no framework.
-        backend = loaded_backend()
+        # graph at a break inside that, and at none inside a class of ours). Making a
+        # block loads no framework: only an adapter whose framework is imported already
+        # is asked (and loaded, so that it may tell the framework's compiler about
+        # blocks made before anything is compiled).
+        backend = ready_backend()
         if backend is None:
             return self
         native = backend.native_autocast(self.enabled, self.dtype, self.device, self.contract)

@@ -43,6 +43,7 @@ from unified_amp import interface
 from unified_amp.autocast import autocast as amp_autocast
 from unified_amp.errors import CompileWarning, UnsupportedPrecisionError
 
+from . import autocast_dynamo
 from .basics import DTYPES, LOW, default_dtype, devices
 
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
@@ -449,5 +450,7 @@ _never_a_frame_of_its_own(amp_autocast.__new__, amp_autocast.__init__, amp_autoc
 # was not in force, silently: issue 33).
 _never_a_frame_of_its_own(Autocasting.check_precision, Autocasting.enter_autocast,
                           Autocasting.exit_autocast)
+# A block object made outside the compiled function is traced as one made inside it.
+OUTSIDE_BLOCKS_TRACED = autocast_dynamo.install(amp_autocast)
 _DECORATOR_FILE = inspect.getsourcefile(amp_autocast)
 _EVAL_FRAME_FILE = inspect.getsourcefile(torch._dynamo.eval_frame)

@@ -347,10 +347,11 @@ def test_a_decorated_function_splits_at_a_graph_break_inside_it(quiet_logging):
 
 
 def test_a_block_object_made_outside_the_compiled_function():
-    """dynamo enters only context managers made inside the compiled region: an
-    amp.autocast object made outside breaks the graph at its ``with`` (before torch
-    2.14; ``fullgraph=True`` names it), and the block then runs as it does eagerly, its
-    body compiled under its state; torch 2.14 traces it whole."""
+    """An amp.autocast object made outside the compiled region and entered inside it
+    is traced as one made inside (backends/torch_backend/autocast_dynamo.py on torch
+    2.7-2.13, dynamo itself from 2.14): ``fullgraph=True`` compiles it whole, with the
+    eager block's numbers. Until issue 33 it broke the graph at its ``with`` before
+    torch 2.14, and ``fullgraph=True`` raised."""
     def made_outside():
         ctx = amp.autocast(dtype=BF16)
 
@@ -366,12 +367,10 @@ def test_a_block_object_made_outside_the_compiled_function():
     assert not torch.is_autocast_enabled("cpu")
     assert torch._C._len_torch_function_stack() == 0
     torch._dynamo.reset()
-    whole = torch.compile(made_outside(), backend="aot_eager", fullgraph=True)
-    if torch.__version__ >= "2.14":
-        assert torch.equal(whole(x), expected)
-    else:
-        with pytest.raises(torch._dynamo.exc.Unsupported, match="context manager"):
-            whole(x)
+    rec = Recorder()
+    assert torch.equal(torch.compile(made_outside(), backend=rec, fullgraph=True)(x),
+                       expected)
+    assert len(rec.dynamo) == 1
     assert not torch.is_autocast_enabled("cpu")
 
 

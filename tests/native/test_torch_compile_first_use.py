@@ -74,3 +74,81 @@ def test_first_use_inside_a_frame_dynamo_abandons_is_in_force(contract):
     # the block holds no graph break: nothing to warn about
     assert out["compile_warnings"] == [], out["compile_warnings"]
 
+
+# A block object made outside the compiled function, in a fresh interpreter: a global,
+# and the `ctx = nullcontext() if ... else autocast(...)` of training scripts. Each is
+# compiled with fullgraph=True and compared with torch.autocast made the same way.
+_OUTSIDE = textwrap.dedent("""
+    import contextlib, json, sys
+    import torch, torch.nn.functional as F, unified_amp as amp
+
+    contract = sys.argv[1] == "on"
+    CTX = amp.autocast(dtype="bfloat16", contract=contract)
+    NATIVE = torch.autocast("cpu", dtype=torch.bfloat16)
+    cpu_only = False
+    ctx = contextlib.nullcontext() if cpu_only else amp.autocast(dtype="bfloat16",
+                                                                contract=contract)
+    native_ctx = contextlib.nullcontext() if cpu_only else torch.autocast("cpu",
+                                                                          dtype=torch.bfloat16)
+
+    def body(x, w):
+        h = x @ w
+        return h, F.log_softmax(h, -1)
+
+    def global_block(x, w):
+        with CTX:
+            return body(x, w)
+
+    def global_native(x, w):
+        with NATIVE:
+            return body(x, w)
+
+    def local_block(x, w):
+        with ctx:
+            with ctx:  # re-entered, as one amp.autocast object may be
+                return body(x, w)
+
+    def local_native(x, w):
+        with native_ctx:
+            return body(x, w)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    out = {}
+    for name, fn in (("global", global_block), ("global native", global_native),
+                     ("local", local_block), ("local native", local_native)):
+        eager = fn(x, w)
+        try:
+            got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x, w)
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        out[name] = {"dtypes": [str(t.dtype) for t in got],
+                     "equal_eager": all(torch.equal(a, b) for a, b in zip(got, eager)),
+                     "values": [t.float().tolist() for t in got]}
+    out["autocast_left_on"] = torch.is_autocast_enabled("cpu")
+    out["modes_left"] = torch._C._len_torch_function_stack()
+    out["tokens_left"] = len(CTX._tokens) + len(ctx._tokens)
+    print("RESULT", json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("contract", ["on", "off"], ids=["contract on", "contract off"])
+def test_a_block_made_outside_compiles_whole_in_a_fresh_process(contract):
+    """``CTX = amp.autocast(...)`` at module level (and the nullcontext-or-autocast
+    pattern) entered inside ``torch.compile(fullgraph=True)``: traced whole, as
+    torch.autocast made the same way is, with the eager block's bytes; without the
+    contract, torch.autocast's. (Before issue 33 it raised dynamo's Unsupported
+    "context manager" on torch 2.7-2.13, the contract on or off.)"""
+    out = _run(_OUTSIDE, contract)
+    for name in ("global", "local"):
+        got, native = out[name], out[f"{name} native"]
+        assert isinstance(got, dict), got  # compiled whole: no Unsupported
+        assert got["equal_eager"] and native["equal_eager"]
+        low = "torch.bfloat16"
+        assert got["dtypes"] == [low, "torch.float32" if contract == "on" else low]
+        if contract == "off":
+            assert got == native
+        else:
+            assert got["values"][0] == native["values"][0]  # the matmul: torch's bytes
+    assert not out["autocast_left_on"] and out["modes_left"] == 0
+    assert out["tokens_left"] == 0
