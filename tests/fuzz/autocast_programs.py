@@ -1,0 +1,148 @@
+"""Random op programs for the autocast fuzz, rebuilt from (seed, index) alone.
+
+A program is straight-line Python source (so that torch.compile sees a frame it can
+split at a graph break, as it would a user's training step): ops before a block, an
+enabled ``autocast`` block holding ops and nested ``enabled=False`` / re-enabled blocks,
+ops after it, and a loss, inside the block or after it. The same program is written
+twice, once with unified_amp's blocks and once with the native autocast's, and both
+are run on the same inputs. Framework-free: the op implementations are in
+``autocast_ops``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+# Each op maps the program's (4, 8) activation to a (4, 8) activation.
+OPS = ("linear", "matmul", "bmm", "conv2d", "softmax", "log_softmax", "layer_norm", "sum",
+       "mean", "exp", "log", "relu", "add_f32", "max_pool", "avg_pool", "global_avg_pool",
+       "batch_norm")
+LOSSES = ("cross_entropy", "mse", "bce_with_logits", "nll")
+
+# Where torch.compile is made to break the graph or give up on the frame
+# (test_autocast_fuzz_compiled): none; dynamo's explicit graph break before, inside or
+# after the block; a generator and a dict comprehension before the block (dynamo gives
+# up on the frame, and on torch the library's first use may then be there).
+SHAPES = ("whole", "break_before", "break_inside", "break_after", "abandon")
+
+
+@dataclass
+class Program:
+    seed: int
+    index: int
+    low: str  # "float16" or "bfloat16"
+    before: list[str]
+    body: list  # op names, "break", and ("block", enabled, [items]) for nested blocks
+    after: list[str]
+    loss: str
+    loss_inside: bool
+    shape: str = "whole"
+    made_outside: bool = False  # the outer block object made outside the function
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"seed={self.seed} index={self.index}"
+
+
+def _ops(rng: random.Random, lo: int, hi: int, ops=OPS) -> list[str]:
+    return [rng.choice(ops) for _ in range(rng.randint(lo, hi))]
+
+
+def _without(items: list, leave_out: tuple) -> list:
+    out: list = []
+    for item in items:
+        if isinstance(item, tuple):
+            out.append((item[0], item[1], _without(item[2], leave_out)))
+        elif item not in leave_out:
+            out.append(item)
+    return out
+
+
+LOW_MAKERS = ("linear", "matmul", "bmm", "conv2d")  # their output is low-precision
+
+
+def _body(rng: random.Random, depth: int) -> list:
+    items: list = []
+    for op in _ops(rng, 1, 4):
+        # half the ops get a low-precision input (a matmul or conv before them), as the
+        # table's rows are checked with both kinds of input
+        if rng.random() < 0.5:
+            items.append(rng.choice(LOW_MAKERS))
+        items.append(op)
+    if depth < 2 and rng.random() < 0.5:
+        enabled = depth == 1 and rng.random() < 0.5  # a re-enabled block inside a disabled one
+        items.insert(rng.randint(0, len(items)), ("block", enabled, _body(rng, depth + 1)))
+    if rng.random() < 0.3:
+        items.append(("block", False, _ops(rng, 1, 2)))
+    return items
+
+
+def make(seed: int, index: int, *, lows=("bfloat16", "float16"), shapes=("whole",),
+         outside=(False,), leave_out=()) -> Program:
+    """The program (seed, index): the same every time, on every machine. ``leave_out``
+    drops ops from it after it is drawn (the rest stays the same program)."""
+    rng = random.Random(f"autocast-fuzz:{seed}:{index}")
+    return Program(seed=seed, index=index, low=rng.choice(lows),
+                   before=_without(_ops(rng, 0, 2), leave_out),
+                   body=_without(_body(rng, 1), leave_out),
+                   after=_without(_ops(rng, 0, 2), leave_out), loss=rng.choice(LOSSES),
+                   loss_inside=rng.random() < 0.5, shape=rng.choice(shapes),
+                   made_outside=rng.choice(outside))
+
+
+def source(p: Program, side: str) -> str:
+    """The program as a Python function ``program(x, P, out)``: ``side`` picks the blocks
+    (``OUTER()``/``INNER(enabled)`` are bound by the runner to unified_amp's or the
+    native autocast). ``out`` collects (op, input dtype, output) for the contract
+    checks; the function returns the loss and the last activation."""
+    lines = ["def program(x, P, out):", "    h = x"]
+    if p.shape == "abandon":
+        lines += ["    g = torch.Generator().manual_seed(0)",
+                  "    noise = {k: torch.randn(*s, generator=g)"
+                  " for k, s in {'n': (4, 8)}.items()}",
+                  "    h = h + 0 * noise['n']"]
+    for op in p.before:
+        lines.append(f"    h = OP['{op}'](h, P, out, False)")
+    if p.shape == "break_before":
+        lines.append("    BREAK()")
+    lines.append("    with CTX:" if p.made_outside else "    with OUTER():")
+    body = list(p.body)
+    if p.shape == "break_inside":
+        body.insert(len(body) // 2, "break")
+    _emit(body, lines, 2, True)
+    if p.loss_inside:
+        lines.append(f"        loss = LOSS['{p.loss}'](h, P, out, True)")
+    lines.append("    h = F32(h)")  # back to float32 after the block, as user code does
+    if p.shape == "break_after":
+        lines.append("    BREAK()")
+    for op in p.after:
+        lines.append(f"    h = OP['{op}'](h, P, out, False)")
+    if not p.loss_inside:
+        lines.append(f"    loss = LOSS['{p.loss}'](h, P, out, False)")
+    lines.append("    return loss, h")
+    return "\n".join(lines) + "\n"
+
+
+def _emit(items: list, lines: list[str], depth: int, on: bool) -> None:
+    pad = "    " * depth
+    for item in items:
+        if item == "break":
+            lines.append(f"{pad}BREAK()")
+        elif isinstance(item, tuple):
+            _, enabled, inner = item
+            lines.append(f"{pad}with INNER({enabled}):")
+            # a float32 activation going into a disabled block, as user code casts it
+            # (a low-precision activation and a float32 weight do not mix without autocast)
+            lines.append(f"{pad}    h = F32(h)")
+            _emit(inner, lines, depth + 1, enabled)
+            lines.append(f"{pad}    h = F32(h)")
+        else:
+            lines.append(f"{pad}h = OP['{item}'](h, P, out, {on})")
+    if not items:
+        lines.append(f"{pad}pass")
+
+
+def has_nested(items: list) -> bool:
+    return any(isinstance(i, tuple) for i in items)

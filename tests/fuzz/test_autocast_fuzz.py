@@ -1,0 +1,114 @@
+"""Random op programs under amp.autocast, side by side with the native autocast
+(torch.autocast on torch, megengine.amp.autocast on MegEngine), run eagerly.
+
+- ``contract=False``: the loss, the last activation and every gradient are the native
+  autocast's, byte for byte.
+- the contract on (``amp.autocast()``'s default): every op's output dtype is the one
+  docs/DTYPE_CONTRACT.md gives (tests/contract/dtype_table.py), inside the block, in
+  nested ``enabled=False`` / re-enabled blocks and outside.
+
+Programs come from (seed, index) alone (autocast_programs); `make test` runs the fast
+tier, `make fuzz PROGRAMS=N SEED=S` a long one. torch.compile's side is in
+test_autocast_fuzz_compiled.py.
+"""
+
+import pytest
+
+import unified_amp as amp
+
+from ..contract.dtype_table import expected
+from . import autocast_ops as ops
+from . import autocast_programs as programs
+
+FAST = {"torch": 24, "megengine": 8}
+# MegEngine's CPU build computes no bfloat16 (docs/DTYPE_CONTRACT.md): float16 there.
+LOWS = {"torch": ("bfloat16", "float16"), "megengine": ("float16",)}
+# MegEngine 1.13's own autocast casts batch norm's float32 input to float16, and on CPU
+# programs holding it (with convs, pools, a second batch norm) then failed in backward
+# (RuntimeError "assertion `t.layout.dtype == out_dt'", AsyncError) and once ended the
+# process with "corrupted size vs. prev_size": 4 of the first 40 programs (seed 0),
+# megengine.amp alone. It is left out of MegEngine's programs; the contract's batch
+# norm row is tests/contract's.
+LEAVE_OUT = {"torch": (), "megengine": ("batch_norm",)}
+
+
+def program(fuzz, name, i):
+    return programs.make(fuzz.seed, i, lows=LOWS[name], leave_out=LEAVE_OUT[name])
+
+
+@pytest.fixture(scope="module")
+def name():
+    return amp.get_backend().name
+
+
+@pytest.fixture(scope="module")
+def side(name):
+    return ops.side_for(name)
+
+
+def report(p, what, got, want):
+    return (f"autocast fuzz program {p.name} (rebuild: test_autocast_fuzz.program(fuzz,"
+            f" backend, {p.index}) with UNIFIED_AMP_FUZZ_SEED={p.seed}): {what}\n{programs.source(p, 'unified')}\n"
+            f"unified: {got}\nnative:  {want}")
+
+
+def first_difference(a, b):
+    for key in ("loss", "h"):
+        if a[key] != b[key]:
+            return key, a[key][:2], b[key][:2]
+    if a["grads"].keys() != b["grads"].keys():
+        return "grads present", sorted(a["grads"]), sorted(b["grads"])
+    for k in a["grads"]:
+        if a["grads"][k] != b["grads"][k]:
+            return f"grad of {k}", a["grads"][k][:2], b["grads"][k][:2]
+    return None
+
+
+def outcome(side, p, which, contract=False):
+    """What running one side gives: its results, or the error it raised (the type and
+    the first line: both sides must raise alike where one does)."""
+    try:
+        return side.run(side.function(p, which, contract), p)
+    except Exception as exc:  # a native refusal is a finding only if ours differs
+        return {"raised": type(exc).__name__}
+
+
+def test_contract_off_is_the_native_autocast_byte_for_byte(fuzz, name, side):
+    count = refused = 0
+    for i in fuzz.programs(FAST[name]):
+        p = program(fuzz, name, i)
+        native = outcome(side, p, "native")
+        unified = outcome(side, p, "unified")
+        if "raised" in native or "raised" in unified:
+            # where the native autocast refuses a program, ours must refuse it alike
+            assert unified == native, report(p, "one side raised", unified, native)
+            refused += 1
+            continue
+        diff = first_difference(unified, native)
+        assert diff is None, report(p, f"{diff[0]} differs", diff[1], diff[2])
+        assert [o[3] for o in unified["ops"]] == [o[3] for o in native["ops"]]
+        assert not amp.is_autocast_enabled()
+        count += 1
+    # most programs run on both sides (a native failure is rare: MegEngine's float16
+    # backward asserts on some op chains, with and without unified_amp)
+    assert refused <= max(1, (count + refused) // 4), (count, refused)
+
+
+def contract_violations(p, ran):
+    bad = []
+    for op, kind, on, dtype in ran["ops"]:
+        want = expected(ops.ROWS[op], kind, p.low) if on else (
+            "float32" if kind == "float32" else p.low)
+        if dtype != want:
+            bad.append(f"{op} ({ops.ROWS[op]}, {kind} input, autocast {'on' if on else 'off'})"
+                       f" gave {dtype}, the contract says {want}")
+    return bad
+
+
+def test_the_contract_gives_every_op_its_table_dtype(fuzz, name, side):
+    for i in fuzz.programs(FAST[name]):
+        p = program(fuzz, name, i)
+        ran = side.run(side.function(p, "unified", True), p)
+        bad = contract_violations(p, ran)
+        assert not bad, report(p, "; ".join(bad), "", "")
+        assert not amp.is_autocast_enabled()
