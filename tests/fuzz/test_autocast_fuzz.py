@@ -20,7 +20,7 @@ from ..contract.dtype_table import expected
 from . import autocast_ops as ops
 from . import autocast_programs as programs
 
-FAST = {"torch": 24, "megengine": 8}
+FAST = {"torch": 16, "megengine": 8}
 # MegEngine's CPU build computes no bfloat16 (docs/DTYPE_CONTRACT.md): float16 there.
 LOWS = {"torch": ("bfloat16", "float16"), "megengine": ("float16",)}
 # MegEngine 1.13's own autocast casts batch norm's float32 input to float16, and on CPU

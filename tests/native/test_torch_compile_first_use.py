@@ -18,9 +18,14 @@ import torch
 # use); both are compiled with aot_eager.
 _PROGRAM = textwrap.dedent("""
     import json, sys, warnings
-    import torch, unified_amp as amp
+    import unified_amp as amp
 
     contract = sys.argv[1] == "on"
+    # "early": the block object is made before torch is imported, so the adapter is
+    # loaded by the block's entry, inside the abandoned frame
+    EARLY = amp.autocast(dtype="bfloat16", contract=contract) if sys.argv[2] == "early" \
+        else None
+    import torch
 
     def make(block):
         def step(seed):
@@ -32,7 +37,7 @@ _PROGRAM = textwrap.dedent("""
                 return x @ W["w"]
         return step
 
-    unified = make(lambda: amp.autocast(dtype="bfloat16", contract=contract))
+    unified = make(lambda: EARLY or amp.autocast(dtype="bfloat16", contract=contract))
     native = make(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     out = {}
     with warnings.catch_warnings(record=True) as seen:
@@ -59,15 +64,18 @@ def _run(program, *args):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.parametrize("contract", ["on", "off"], ids=["contract on", "contract off"])
-def test_first_use_inside_a_frame_dynamo_abandons_is_in_force(contract):
+@pytest.mark.parametrize("contract, made", [("on", "late"), ("off", "late"), ("on", "early")],
+                         ids=["contract on", "contract off", "made before torch's import"])
+def test_first_use_inside_a_frame_dynamo_abandons_is_in_force(contract, made):
     """The library's first use in a frame dynamo gives up on (a generator and a dict
     comprehension before the block): the block is in force on the first call, as
     torch.autocast is in the same place, and the numbers are torch.autocast's bytes.
     (Before issue 33 the first call gave float32: the backend was imported inside the
     abandoned frame, before its eager entry was marked to run as it is, so dynamo
-    compiled the entry's autocast switches as a graph of their own and lost them.)"""
-    out = _run(_PROGRAM, contract)
+    compiled the entry's autocast switches as a graph of their own and lost them.
+    Since a block made after torch's import loads the adapter, a block made before it
+    is what still reaches that path.)"""
+    out = _run(_PROGRAM, contract, made)
     assert out["unified"][:2] == ["torch.bfloat16"] * 2, out
     assert out["unified"] == out["native"]
     assert not out["autocast_left_on"] and out["modes_left"] == 0
