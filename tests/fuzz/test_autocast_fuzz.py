@@ -12,6 +12,8 @@ tier, `make fuzz PROGRAMS=N SEED=S` a long one. torch.compile's side is in
 test_autocast_fuzz_compiled.py.
 """
 
+import os
+
 import pytest
 
 import unified_amp as amp
@@ -19,6 +21,11 @@ import unified_amp as amp
 from ..contract.dtype_table import expected
 from . import autocast_ops as ops
 from . import autocast_programs as programs
+
+# pytest-timeout's 300 s (pyproject.toml) is for make test's fast tier; a long run's
+# eager programs take about a second each on MegEngine's CPU build.
+LONG_RUN = int(os.environ.get("UNIFIED_AMP_FUZZ_PROGRAMS") or 0)
+pytestmark = pytest.mark.timeout(300 + 3 * LONG_RUN)
 
 FAST = {"torch": 16, "megengine": 8}
 # MegEngine's CPU build computes no bfloat16 (docs/DTYPE_CONTRACT.md): float16 there.

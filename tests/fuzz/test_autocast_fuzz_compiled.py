@@ -39,6 +39,10 @@ from . import autocast_programs as programs  # noqa: E402
 from .test_autocast_fuzz import contract_violations, first_difference, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+# pytest-timeout's 300 s (pyproject.toml) is for make test's fast tier; a long run gets
+# about 30 s per program on 2 cores (two compiles each, inductor's longer).
+LONG_RUN = int(os.environ.get("UNIFIED_AMP_FUZZ_PROGRAMS") or 0)
+pytestmark = pytest.mark.timeout(300 + 30 * LONG_RUN)
 
 
 def compiled_program(fuzz, i, shapes=programs.SHAPES):
