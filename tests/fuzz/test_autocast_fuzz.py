@@ -35,8 +35,11 @@ LOWS = {"torch": ("bfloat16", "float16"), "megengine": ("float16",)}
 # (RuntimeError "assertion `t.layout.dtype == out_dt'", AsyncError) and once ended the
 # process with "corrupted size vs. prev_size": 4 of the first 40 programs (seed 0),
 # megengine.amp alone. It is left out of MegEngine's programs; the contract's batch
-# norm row is tests/contract's.
-LEAVE_OUT = {"torch": (), "megengine": ("batch_norm",)}
+# norm row is tests/contract's. So is max pooling: MegEngine 1.13's float16 max_pool2d
+# on CPU gives wrong values (docs/DTYPE_CONTRACT.md) that also change from run to run
+# (a long run, seed 1 index 13: the same contract=False program twice gave two
+# gradients), so no byte comparison can hold; the contract's pooling fix is tested there.
+LEAVE_OUT = {"torch": (), "megengine": ("batch_norm", "max_pool")}
 
 
 def program(fuzz, name, i):
