@@ -18,6 +18,7 @@ from typing import Any
 from . import _foreign
 from . import distributed
 from ._ledger import Check, by_grad
+from .errors import ScalerStateError
 from ._scaler_forensics import _user_stacklevel
 from ._scaler_iteration import Iteration, Stage
 from ._scaler_machine import ScalerMachine
@@ -186,7 +187,7 @@ def _step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
             m.record(pending, grads, check, weak=False)
         checks.append(check)
     if not checks and not fused:
-        raise RuntimeError(
+        raise ScalerStateError(
             "No inf checks were recorded for this optimizer: none of its parameters"
             " has a gradient. Run the scaled backward pass before"
             " scaler.step(optimizer)."
