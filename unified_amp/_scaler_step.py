@@ -206,6 +206,15 @@ def _step_unless_found(m: ScalerMachine, optimizer: Any, checks: list[Check],
         return None
     if on_device:
         assert m.s.dev is not None  # steps_on_device() or traced() made it
+        resident = m.caps.resident
+        if resident is not None and resident.skip_leaves_uninitialised_state(optimizer):
+            # Skipped on the device, this step would leave state that the next one
+            # reads uninitialised (torch's fused SGD before its first step: torch.amp
+            # inherits it). Read the verdict and skip here, as the stock optimizer is
+            # skipped: one host read, only until a step is taken.
+            read = m.backend.flag_is_set
+            if any(c.verdict(read) for c in checks if c.flag is not None):
+                return None
         return m.s.dev.step(optimizer, fused_unscale,
                             [c.ready() for c in checks if c.flag is not None],
                             args, kwargs)
