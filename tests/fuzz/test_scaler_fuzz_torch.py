@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+import unified_amp as amp
 
-import unified_amp as amp  # noqa: E402
-
-from .scaler_fuzz_common import Parted, Tally, differences, first_difference, rng_for, run_call  # noqa: E402
+from .scaler_fuzz_common import Parted, Tally, differences, first_difference, rng_for, run_call
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
