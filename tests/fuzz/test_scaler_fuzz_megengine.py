@@ -227,7 +227,7 @@ def run_program(seed: int, index: int, table: dict, tally: Tally) -> None:
 def test_scaler_against_megengine_amp(fuzz):
     table = differences()
     tally = Tally()
-    for index in fuzz.programs(10):
+    for index in fuzz.programs(30):
         run_program(fuzz.seed, index, table, tally)
     print(f"\nscaler fuzz (megengine), seed {fuzz.seed}: {tally.line()}")
     assert tally.compared > tally.calls // 3, tally.line()

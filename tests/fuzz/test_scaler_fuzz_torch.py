@@ -230,7 +230,7 @@ def run_program(seed: int, index: int, table: dict, tally: Tally) -> None:
 def test_scaler_against_torch_amp(fuzz):
     table = differences()
     tally = Tally()
-    for index in fuzz.programs(40):
+    for index in fuzz.programs(60):
         run_program(fuzz.seed, index, table, tally)
     print(f"\nscaler fuzz (torch), seed {fuzz.seed}: {tally.line()}")
     assert tally.compared > tally.calls // 3, tally.line()  # the programs do get far
