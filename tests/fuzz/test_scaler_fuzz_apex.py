@@ -135,6 +135,7 @@ def run_program(kit: Any, seed: int, index: int) -> int:
     ours, ref = World(kit, config, config["level"]), World(kit, config, None)
     ids = (0, 1) if config["num_losses"] == 2 else (0, 0)
     planted = [0, 0]
+    steps = {"d": 0, "g": 0}  # steps taken so far
     for i, (flow, plant, data) in enumerate(iterations):
         where = (f"apex fuzz ({kit.name}) seed={seed} index={index}: iteration {i}\n"
                  f"config: {config}\niterations: {iterations}")
@@ -150,9 +151,13 @@ def run_program(kit: Any, seed: int, index: int) -> int:
                     f"{where}\n{name}'s skipped step changed its weights"
                 continue
             want = ref.arrays(getattr(ref, name))
+            steps[name] += 1
+            # Adam moves each weight by about lr per step whatever the gradient's size,
+            # so a gradient near zero may take either sign in float16: within lr a step
+            atol = 2e-3 if config[f"opt_{name}"] == "sgd" else 1.5e-2 * steps[name]
             for a, b in zip(got, want):
                 assert np.all(np.isfinite(a)), f"{where}\n{name}'s weights are not finite"
-                np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3, err_msg=where)
+                np.testing.assert_allclose(a, b, rtol=2e-2, atol=atol, err_msg=where)
     for k in set(ids):
         assert amp.loss_scaler(k).stats()["skipped_steps"] == planted[k], (
             f"apex fuzz ({kit.name}) seed={seed} index={index}: loss scale {k} skipped"
