@@ -153,8 +153,8 @@ def run_program(kit: Any, seed: int, index: int) -> int:
             want = ref.arrays(getattr(ref, name))
             steps[name] += 1
             # Adam moves each weight by about lr per step whatever the gradient's size,
-            # so a gradient near zero may take either sign in float16: within lr a step
-            atol = 2e-3 if config[f"opt_{name}"] == "sgd" else 1.5e-2 * steps[name]
+            # so a gradient near zero may take either sign in float16 (2 lr apart)
+            atol = 2e-3 if config[f"opt_{name}"] == "sgd" else 2.5e-2 * steps[name]
             for a, b in zip(got, want):
                 assert np.all(np.isfinite(a)), f"{where}\n{name}'s weights are not finite"
                 np.testing.assert_allclose(a, b, rtol=2e-2, atol=atol, err_msg=where)
