@@ -14,11 +14,14 @@ have parted). Anything else fails, naming the seed, the index and the calls so f
 
 from __future__ import annotations
 
+import os
 import pathlib
 import random
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import pytest
 
 DROP_IN = pathlib.Path(__file__).resolve().parents[2] / "docs" / "DROP_IN.md"
 HEADING = "## Deliberate differences, call by call"
@@ -52,6 +55,14 @@ def differences() -> dict[str, Difference]:
         fragment = re.findall(r"`([^`]*)`", cells[4])
         rows[ident] = Difference(ident, cells[1], cells[2], fragment[0] if fragment else "")
     return rows
+
+
+def time_limit(seconds_per_program: float) -> Any:
+    """pytest-timeout's limit for a fuzz test: the suite's 300 s, or in a long run
+    (make fuzz PROGRAMS=N) four times what N programs take here, so a long run is not cut
+    short while a hang still fails with the test's name."""
+    n = int(os.environ.get("UNIFIED_AMP_FUZZ_PROGRAMS") or 0)
+    return pytest.mark.timeout(max(300, int(4 * n * seconds_per_program)))
 
 
 def rng_for(seed: int, index: int, salt: str) -> random.Random:

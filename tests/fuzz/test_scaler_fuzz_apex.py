@@ -18,7 +18,7 @@ import pytest
 import unified_amp as amp
 
 from ..kits import load_kit
-from .scaler_fuzz_common import rng_for
+from .scaler_fuzz_common import rng_for, time_limit
 
 FLOWS = ["gan", "gan-stale", "d-only", "shared", "delay"]
 
@@ -165,6 +165,7 @@ def run_program(kit: Any, seed: int, index: int) -> int:
     return len(iterations)
 
 
+@time_limit(0.5)
 def test_apex_flows_against_a_float32_reference(fuzz):
     kit = load_kit(amp.get_backend().name)
     programs = iterations = 0

@@ -20,7 +20,8 @@ from megengine.autodiff import GradManager
 
 import unified_amp as amp
 
-from .scaler_fuzz_common import Parted, Tally, differences, first_difference, rng_for, run_call
+from .scaler_fuzz_common import (Parted, Tally, differences, first_difference, rng_for,
+                                 run_call, time_limit)
 
 OPTIMIZERS = {
     "sgd": lambda ps: MO.SGD(ps, lr=0.1),
@@ -224,6 +225,7 @@ def run_program(seed: int, index: int, table: dict, tally: Tally) -> None:
         tally.parted[parted.difference.id] = tally.parted.get(parted.difference.id, 0) + 1
 
 
+@time_limit(0.2)
 def test_scaler_against_megengine_amp(fuzz):
     table = differences()
     tally = Tally()
