@@ -130,34 +130,57 @@ def iteration(w: World, flow: str, plant: bool, data: int, ids: tuple[int, int])
     return {"d": plant, "g": False}
 
 
+def stepped(w: World, name: str) -> list[np.ndarray]:
+    """What the optimizer steps: the float32 masters at O2, else the model's weights."""
+    opt = w.opt_d if name == "d" else w.opt_g
+    return [w.kit.numpy(p) for group in opt.param_groups for p in group["params"]]
+
+
 def run_program(kit: Any, seed: int, index: int) -> int:
     config, iterations = make_program(seed, index)
     ours, ref = World(kit, config, config["level"]), World(kit, config, None)
     ids = (0, 1) if config["num_losses"] == 2 else (0, 0)
     planted = [0, 0]
-    steps = {"d": 0, "g": 0}  # steps taken so far
+    lr = {"sgd": 0.05, "adam": 1e-2}
     for i, (flow, plant, data) in enumerate(iterations):
         where = (f"apex fuzz ({kit.name}) seed={seed} index={index}: iteration {i}\n"
                  f"config: {config}\niterations: {iterations}")
-        before = {"d": ours.arrays(ours.d), "g": ours.arrays(ours.g)}
+        # Each iteration starts the reference from our weights, so that float16's error
+        # does not pile up: a ReLU gate near zero could flip, and a step differ by its
+        # whole size, however right the scaling.
+        for name in ("d", "g"):
+            model = getattr(ref, name)
+            for p, a in zip(model.parameters(), stepped(ours, name)):
+                kit.assign(p, a)
+        before = {n: (ours.arrays(getattr(ours, n)), stepped(ours, n)) for n in ("d", "g")}
         skipped = iteration(ours, flow, plant, data, ids)
         iteration(ref, flow, plant, data, ids)
         if plant:
             planted[ids[0]] += 1
         for name in ("d", "g"):
-            got = ours.arrays(getattr(ours, name))
+            weights, start = before[name]
             if skipped[name]:
-                assert all(np.array_equal(a, b) for a, b in zip(got, before[name])), \
+                got = ours.arrays(getattr(ours, name)) + stepped(ours, name)
+                assert all(np.array_equal(a, b) for a, b in zip(got, weights + start)), \
                     f"{where}\n{name}'s skipped step changed its weights"
                 continue
-            want = ref.arrays(getattr(ref, name))
-            steps[name] += 1
-            # Adam moves each weight by about lr per step whatever the gradient's size,
-            # so a gradient near zero may take either sign in float16 (2 lr apart)
-            atol = 2e-3 if config[f"opt_{name}"] == "sgd" else 2.5e-2 * steps[name]
-            for a, b in zip(got, want):
+            ours_step = [a - b for a, b in zip(stepped(ours, name), start)]
+            ref_step = [a - b for a, b in zip(stepped(ref, name), start)]
+            kind = config[f"opt_{name}"]
+            for a, b in zip(ours_step, ref_step):
                 assert np.all(np.isfinite(a)), f"{where}\n{name}'s weights are not finite"
+                # an element may be off by about its tensor's largest step: a ReLU gate
+                # within float16's error of zero flips (seed 7, index 154: a
+                # pre-activation of 3.9e-5); Adam's steps are about lr each, of either
+                # sign for a near-zero gradient
+                atol = (2 * np.abs(b).max() if kind == "sgd" else 2.5 * lr[kind]) + 1e-4
                 np.testing.assert_allclose(a, b, rtol=2e-2, atol=atol, err_msg=where)
+            if kind == "sgd":  # and the step as a whole: a factor 2 fails here
+                a, b = np.concatenate([x.ravel() for x in ours_step]), \
+                    np.concatenate([x.ravel() for x in ref_step])
+                assert np.linalg.norm(a - b) <= 0.5 * np.linalg.norm(b) + 1e-4, (
+                    f"{where}\n{name}'s step is {np.linalg.norm(a):.4g} long, the"
+                    f" reference's {np.linalg.norm(b):.4g}")
     for k in set(ids):
         assert amp.loss_scaler(k).stats()["skipped_steps"] == planted[k], (
             f"apex fuzz ({kit.name}) seed={seed} index={index}: loss scale {k} skipped"
