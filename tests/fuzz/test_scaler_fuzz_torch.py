@@ -189,6 +189,7 @@ def _no_gradients(world: World, call: tuple) -> bool:
 CONDITIONS = {
     "lenient-no-gradients": _no_gradients,
     "lenient-no-gradients-step": lambda world, call: call[1] in world.empty_unscales,
+    "lenient-no-gradients-step-fused": lambda world, call: call[1] in world.empty_unscales,
     "lenient-no-gradients-first-step": _no_gradients,
     "new-scale-before-scale": lambda world, call: call[0] == "update" and call[1] is not None,
 }
