@@ -97,6 +97,7 @@ class World:
         self.opts = [OPTIMIZERS[name](ps) for name, ps in zip(config["optimizers"], groups)]
         self.scaler = self.new_scaler()
         self.empty_unscales: set[int] = set()  # unscale_() found no gradient (this iteration)
+        self.updated_after_empty = False  # the last update() ended such an iteration
 
     def new_scaler(self) -> Any:
         c = self.config
@@ -144,6 +145,7 @@ class World:
         elif kind == "step":
             s.step(self.opts[call[1]])
         elif kind == "update":
+            self.updated_after_empty = bool(self.empty_unscales)
             s.update() if call[1] is None else s.update(new_scale=call[1])
             self.empty_unscales.clear()
         elif kind == "roundtrip":
@@ -190,6 +192,8 @@ CONDITIONS = {
     "lenient-no-gradients": _no_gradients,
     "lenient-no-gradients-step": lambda world, call: call[1] in world.empty_unscales,
     "lenient-no-gradients-step-fused": lambda world, call: call[1] in world.empty_unscales,
+    "lenient-no-gradients-update": lambda world, call: call[0] == "update"
+    and world.updated_after_empty,
     "lenient-no-gradients-first-step": _no_gradients,
     "new-scale-before-scale": lambda world, call: call[0] == "update" and call[1] is not None,
 }
