@@ -262,9 +262,24 @@ class _EagerBlock:
 
 @torch.compiler.disable
 def _exit_eagerly(block: _EagerBlock) -> None:
-    """A block entered eagerly and left in compiled code (dynamo resumed inside it):
-    torch.autocast objects made eagerly cannot be left in a trace."""
+    """A block entered eagerly and left in compiled code (dynamo resumed inside it, or
+    compiles the block's exit as a frame of its own): torch.autocast objects made
+    eagerly cannot be left in a trace."""
     block.__exit__()
+
+
+@torch.compiler.disable
+def _enter_eagerly(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
+                   action: str) -> _EagerBlock:
+    """A block's entry that dynamo compiles as a frame of its own (torch 2.7-2.8, where
+    the entry carries no skip strategy: `_never_a_frame_of_its_own`): the frame holding
+    the block runs eagerly, so the block is entered eagerly too, as it is there. In a
+    graph of its own its switches would be dropped when that graph returns."""
+    if _abandoned:
+        _warn_if_dynamo_gave_up(_frame_holding_the_block(sys._getframe(1)))
+    block = _EagerBlock(devs, dtypes, enabled, action)
+    block.__enter__()
+    return block
 
 
 # -- blocks dynamo gave up on ---------------------------------------------------------------
@@ -297,8 +312,25 @@ def _trace_left() -> None:
 
 # dynamo runs these as they are while it traces (the marker torch.compiler.
 # assume_constant_result sets), instead of tracing them: they note a fact of the trace.
+def _block_is_its_own_frame() -> bool:
+    """Whether dynamo is compiling the block's own entry or exit as the root of a trace
+    (called from a frame it gave up on) rather than inlining it into the user's."""
+    return _traced_frame_code() in _BLOCK_CODES
+
+
+def _frame_holding_the_block(frame: Any) -> Any:
+    """The first frame, from ``frame`` outwards, that is neither the block's entry (or
+    a piece of it that dynamo resumes) nor torch.compiler.disable's wrapper."""
+    while frame is not None and (
+            frame.f_code.co_filename in (_EVAL_FRAME_FILE, __file__)
+            or frame.f_code.co_filename == _DECORATOR_FILE and frame.f_code.co_name != "wrapper"):
+        frame = frame.f_back
+    return frame
+
+
 _trace_entered._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _trace_left._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_block_is_its_own_frame._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _warn_if_dynamo_gave_up(frame: Any) -> None:
@@ -314,6 +346,10 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
     if outer is None:  # not inside a compiled call: dynamo's trace failed and raised
         return
     _warned.add(code)
+    at: Any = sys._getframe(0)  # ``frame``'s stack level, as warn() counts it
+    level = 1
+    while at is not None and at is not frame:
+        at, level = at.f_back, level + 1
     warnings.warn(
         f"amp.autocast: a graph break inside the amp.autocast block in"
         f" {code.co_name} ({code.co_filename}:{frame.f_lineno}) made torch.compile give"
@@ -324,7 +360,7 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
         f" torch; or, on one device without the contract and torch >= 2.12, use"
         f" amp.autocast(..., contract=False), which is torch.autocast there; or remove"
         f" the break (torch.compile(fullgraph=True) names it). docs/COMPILE.md, 'Graph"
-        f" breaks'.", CompileWarning, stacklevel=4)
+        f" breaks'.", CompileWarning, stacklevel=level)
 
 
 def _dynamo_types_autocast_objects() -> bool:
@@ -395,6 +431,8 @@ class Autocasting(interface.Autocasting):
         dtypes = [DTYPES[dtype or default_dtype(dev)] for dev in devs]
         action = _contract_action(enabled, contract)
         if torch.compiler.is_compiling():
+            if _block_is_its_own_frame():
+                return _enter_eagerly(devs, dtypes, enabled, action)
             _trace_entered()
             return _TracedBlock(devs, dtypes, enabled, action)
         if _abandoned:
@@ -429,7 +467,9 @@ def _never_a_frame_of_its_own(*functions: Any) -> None:
     Compiled as frames of their own, a block's entry would switch autocast on inside a
     graph of its own, whose switches AOTAutograd drops, and its exit would meet
     torch.autocast objects made eagerly, which dynamo cannot leave (torch 2.14), or a
-    traced block it cannot rebuild (torch 2.7-2.10).
+    traced block it cannot rebuild (torch 2.7-2.10). Where they are not skipped (torch
+    2.7-2.8, below), `_block_is_its_own_frame` sees such a compile and the block is
+    entered and left eagerly through torch.compiler.disable instead.
     """
     from torch._C._dynamo import eval_frame
 
@@ -439,7 +479,16 @@ def _never_a_frame_of_its_own(*functions: Any) -> None:
         eval_frame.set_code_exec_strategy(fn.__code__, skip)
 
 
-_never_a_frame_of_its_own(amp_autocast.__new__, amp_autocast.__init__, amp_autocast.__enter__,
-                          amp_autocast.__exit__)
+_ENTRY_AND_EXIT = (amp_autocast.__new__, amp_autocast.__init__, amp_autocast.__enter__,
+                   amp_autocast.__exit__, Autocasting.enter_autocast, Autocasting.exit_autocast)
+_BLOCK_CODES = frozenset(fn.__code__ for fn in _ENTRY_AND_EXIT)
+# torch 2.7 and 2.8 crashed (a segmentation fault, a double free, CPython 3.10, 3.12 and
+# 3.13) in a process that had run a block's entry under this "skip, recursively" strategy
+# -- set by hand, a strategy dynamo itself hands out rarely -- and later reset dynamo and
+# compiled (docs/VERSIONS.md, "Failures explained"). There the entry and exit carry no
+# strategy; every later torch keeps it (none crashed, in every cell of the matrix).
+SKIPS_RECURSIVELY = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+if SKIPS_RECURSIVELY:
+    _never_a_frame_of_its_own(*_ENTRY_AND_EXIT[:4])
 _DECORATOR_FILE = inspect.getsourcefile(amp_autocast)
 _EVAL_FRAME_FILE = inspect.getsourcefile(torch._dynamo.eval_frame)
