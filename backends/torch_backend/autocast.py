@@ -275,8 +275,7 @@ def _enter_eagerly(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
     the entry carries no skip strategy: `_never_a_frame_of_its_own`): the frame holding
     the block runs eagerly, so the block is entered eagerly too, as it is there. In a
     graph of its own its switches would be dropped when that graph returns."""
-    if _abandoned:
-        _warn_if_dynamo_gave_up(_frame_holding_the_block(sys._getframe(1)))
+    _warn_for_abandoned_codes()
     block = _EagerBlock(devs, dtypes, enabled, action)
     block.__enter__()
     return block
@@ -286,7 +285,7 @@ def _enter_eagerly(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
 
 # Code objects of functions whose trace entered a block and never left it: dynamo gave
 # up on the frame (a graph break inside the block) and is about to run it eagerly.
-_abandoned: set[Any] = set()
+_abandoned: dict[Any, None] = {}  # in the order the traces entered their blocks
 _warned: set[Any] = set()
 
 
@@ -303,11 +302,12 @@ def _traced_frame_code() -> Any:
 def _trace_entered() -> None:
     code = _traced_frame_code()
     if code is not None:
-        _abandoned.add(code)
+        _abandoned.pop(code, None)  # to the end: the latest trace
+        _abandoned[code] = None
 
 
 def _trace_left() -> None:
-    _abandoned.discard(_traced_frame_code())
+    _abandoned.pop(_traced_frame_code(), None)
 
 
 # dynamo runs these as they are while it traces (the marker torch.compiler.
@@ -318,14 +318,21 @@ def _block_is_its_own_frame() -> bool:
     return _traced_frame_code() in _BLOCK_CODES
 
 
-def _frame_holding_the_block(frame: Any) -> Any:
-    """The first frame, from ``frame`` outwards, that is neither the block's entry (or
-    a piece of it that dynamo resumes) nor torch.compiler.disable's wrapper."""
-    while frame is not None and (
-            frame.f_code.co_filename in (_EVAL_FRAME_FILE, __file__)
-            or frame.f_code.co_filename == _DECORATOR_FILE and frame.f_code.co_name != "wrapper"):
-        frame = frame.f_back
-    return frame
+def _warn_for_abandoned_codes() -> None:
+    """The CompileWarning of a block entered through `_enter_eagerly`, named from the
+    code dynamo gave up on, without a frame: the frames between here and the user's are
+    dynamo's (the block's entry runs in a frame dynamo made for its compiled code), and
+    no frame object is made for them (issue 33: the processes that had made them in the
+    warning crashed later)."""
+    if not _abandoned:
+        return
+    code = next(reversed(_abandoned))  # the last trace given up on: the frame now eager
+    del _abandoned[code]
+    if code in _warned or code.co_name == "wrapper" and code.co_filename == _DECORATOR_FILE:
+        return  # the decorator's own frame holds nothing but the call it wraps
+    _warned.add(code)
+    warnings.warn_explicit(_gave_up_message(code, code.co_firstlineno), CompileWarning,
+                           code.co_filename, code.co_firstlineno)
 
 
 _trace_entered._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -337,7 +344,7 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
     """Warns once per function when a block that dynamo traced is entered eagerly after
     all, inside a compiled call."""
     code = frame.f_code
-    _abandoned.discard(code)
+    _abandoned.pop(code, None)
     if code in _warned or code.co_name == "wrapper" and code.co_filename == _DECORATOR_FILE:
         return  # the decorator's own frame holds nothing but the call it wraps
     outer = frame.f_back
@@ -346,13 +353,13 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
     if outer is None:  # not inside a compiled call: dynamo's trace failed and raised
         return
     _warned.add(code)
-    at: Any = sys._getframe(0)  # ``frame``'s stack level, as warn() counts it
-    level = 1
-    while at is not None and at is not frame:
-        at, level = at.f_back, level + 1
-    warnings.warn(
+    warnings.warn(_gave_up_message(code, frame.f_lineno), CompileWarning, stacklevel=4)
+
+
+def _gave_up_message(code: Any, line: int) -> str:
+    return (
         f"amp.autocast: a graph break inside the amp.autocast block in"
-        f" {code.co_name} ({code.co_filename}:{frame.f_lineno}) made torch.compile give"
+        f" {code.co_name} ({code.co_filename}:{line}) made torch.compile give"
         f" up on that function (torch {torch.__version__}): it runs eagerly, and only the"
         f" functions it calls are compiled, with the block's autocast state and contract"
         f" in force. For graph pieces as torch.autocast gives: move the body into a"
@@ -360,7 +367,7 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
         f" torch; or, on one device without the contract and torch >= 2.12, use"
         f" amp.autocast(..., contract=False), which is torch.autocast there; or remove"
         f" the break (torch.compile(fullgraph=True) names it). docs/COMPILE.md, 'Graph"
-        f" breaks'.", CompileWarning, stacklevel=level)
+        f" breaks'.")
 
 
 def _dynamo_types_autocast_objects() -> bool:
