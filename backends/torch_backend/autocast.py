@@ -320,10 +320,8 @@ def _block_is_its_own_frame() -> bool:
 
 def _warn_for_abandoned_codes() -> None:
     """The CompileWarning of a block entered through `_enter_eagerly`, named from the
-    code dynamo gave up on, without a frame: the frames between here and the user's are
-    dynamo's (the block's entry runs in a frame dynamo made for its compiled code), and
-    no frame object is made for them (issue 33: the processes that had made them in the
-    warning crashed later)."""
+    code dynamo gave up on: the frames between here and the user's are dynamo's, and
+    no frame object is made for them (issue 33)."""
     if not _abandoned:
         return
     code = next(reversed(_abandoned))  # the last trace given up on: the frame now eager
@@ -474,9 +472,8 @@ def _never_a_frame_of_its_own(*functions: Any) -> None:
     Compiled as frames of their own, a block's entry would switch autocast on inside a
     graph of its own, whose switches AOTAutograd drops, and its exit would meet
     torch.autocast objects made eagerly, which dynamo cannot leave (torch 2.14), or a
-    traced block it cannot rebuild (torch 2.7-2.10). Where they are not skipped (torch
-    2.7-2.8, below), `_block_is_its_own_frame` sees such a compile and the block is
-    entered and left eagerly through torch.compiler.disable instead.
+    traced block it cannot rebuild (torch 2.7-2.10). Not skipped (torch 2.7-2.8), the
+    block sees such a compile (`_block_is_its_own_frame`) and enters and leaves eagerly.
     """
     from torch._C._dynamo import eval_frame
 
