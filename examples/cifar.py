@@ -86,13 +86,14 @@ class _Run:
     compute_dtype: str = ""
 
 
-def channels_last_refusal(fw: Any) -> str | None:
-    """Why ``--channels-last`` cannot run on this backend, or None where it can."""
-    if hasattr(fw, "channels_last"):
-        return None
-    return (f"--channels-last asks for torch's channels-last memory format; {fw.name} has"
-            f" none (MegEngine 1.13's tensors have no memory format to choose). Drop"
-            f" --channels-last on this backend.")
+def channels_last_refusal(fw: Any, model: str = "resnet50", width: int = 64) -> str | None:
+    """Why ``--channels-last`` cannot run here, or None where it can: the backend has no
+    memory formats, or this CPU's oneDNN would hang in the model's backward."""
+    if not hasattr(fw, "channels_last"):
+        return (f"--channels-last asks for torch's channels-last memory format; {fw.name} has"
+                f" none (MegEngine 1.13's tensors have no memory format to choose). Drop"
+                f" --channels-last on this backend.")
+    return fw.channels_last_hazard(resnet.resnet(fw, model, len(cifar_data.CLASSES), width))
 
 
 def _make_run(fw: Any, amp_on: bool, opts: Options) -> _Run:
@@ -183,10 +184,11 @@ def train_runs(data: dict[str, Any], opts: Options) -> dict[str, Any]:
 
     Raises:
         ValueError: options that cannot run (a batch larger than the training set,
-            fewer than one epoch, ``channels_last`` where the backend has none).
+            fewer than one epoch, ``channels_last`` where the backend has none or
+            this CPU's oneDNN would hang in the backward).
     """
     fw = frameworks.get()
-    if opts.channels_last and (why := channels_last_refusal(fw)):
+    if opts.channels_last and (why := channels_last_refusal(fw, opts.model, opts.width)):
         raise ValueError(why)
     n_train = len(data["train_x"])
     if not 1 <= opts.batch_size <= n_train:
@@ -314,7 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         " level; the fp32 run is O0")
     p.add_argument("--channels-last", action="store_true",
                    help="torch's channels-last memory format (model and inputs); an error"
-                        " on MegEngine, which has none")
+                        " on MegEngine, which has none, and on a CPU without AVX-512 at"
+                        " --width below 8, where oneDNN's backward hangs (docs/CIFAR.md)")
     p.add_argument("--no-augment", action="store_true", help="no random crops or mirroring")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no epoch that would end past this many seconds of training")
@@ -365,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]
     # are zero. numpy keeps what it computed here.
     np.finfo(np.float64), np.finfo(np.float32)
     fw = frameworks.get()
-    if args.channels_last and (why := channels_last_refusal(fw)):
+    if args.channels_last and (why := channels_last_refusal(fw, args.model, args.width)):
         _fail(why)
     opts = Options(model=args.model, width=args.width, epochs=args.epochs,
                    batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,

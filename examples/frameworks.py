@@ -163,6 +163,15 @@ class FrameworkKit:
         raise NotImplementedError
 
 
+def _onednn_avx2_at_most(torch: Any) -> bool:
+    """Whether torch's oneDNN runs no AVX-512 kernels here: the CPU lacks them, or
+    ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA before oneDNN 2) caps it below them."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap and cap != "ALL":
+        return not cap.startswith(("AVX512", "AVX10", "AMX"))
+    return "AVX512" not in torch.backends.cpu.get_cpu_capability()
+
+
 class TorchKit(FrameworkKit):
     """PyTorch: ``torch.nn`` models, ``torch.optim`` optimizers, int64 labels.
 
@@ -242,6 +251,27 @@ class TorchKit(FrameworkKit):
     def channels_last(self, x: Any) -> Any:
         """A model or 4-d tensor in the channels-last memory format (NHWC in memory)."""
         return x.to(memory_format=self.torch.channels_last)
+
+    def channels_last_hazard(self, model: Any) -> str | None:
+        """Why training ``model`` in channels-last would hang or crash this CPU, or None.
+
+        oneDNN's AVX2 kernel for the weight gradient of a strided 1x1 convolution with
+        fewer than 8 input channels, in channels-last float32, spins forever on 2
+        threads and corrupts the heap on 1 (torch 2.13.0+cpu on an AMD EPYC without
+        AVX-512; docs/CIFAR.md). CPUs whose oneDNN takes its AVX-512 kernels are not
+        affected; ONEDNN_MAX_CPU_ISA=AVX2 sends them down the same path.
+        """
+        if self.device != "cpu" or not _onednn_avx2_at_most(self.torch):
+            return None
+        for name, m in model.named_modules():
+            if (isinstance(m, self.nn.Conv2d) and tuple(m.kernel_size) == (1, 1)
+                    and tuple(m.stride) != (1, 1) and m.in_channels < 8):
+                return (f"--channels-last would hang or crash this CPU: oneDNN's AVX2 kernel"
+                        f" (no AVX-512 here) for the weight gradient of a strided 1x1"
+                        f" convolution with fewer than 8 input channels ({name}:"
+                        f" {m.in_channels} in) never returns in channels-last float32."
+                        f" Use --width 8 or more, or drop --channels-last.")
+        return None
 
     def reset_peak_memory(self) -> None:
         if self.device == "cuda":

@@ -276,3 +276,24 @@ def test_a_checkout_keeps_working_beside_a_stale_adapters_directory(tmp_path):
     assert stale == "None"  # the stale directory is there, as a namespace portion
     assert Path(path) == root / "backends" / adapter / "scaling.py"
     assert scale == "8.0"
+
+
+def test_a_test_that_never_returns_fails_with_its_name_instead_of_stalling_the_suite(tmp_path):
+    """pyproject.toml gives every test a time limit that ends even a hang inside a C call
+    that never returns to Python (oneDNN's, docs/CIFAR.md): the watchdog thread names the
+    test and ends the process. Here a test blocks in libc's sleep() under the suite's own
+    settings, with the limit lowered to 2 s."""
+    (tmp_path / "test_stuck.py").write_text(textwrap.dedent("""
+        import ctypes
+
+        def test_stuck_in_c():
+            ctypes.CDLL(None).sleep(60)
+        """))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
+         str(tmp_path), "-p", "no:cacheprovider", "-o", "timeout=2", str(tmp_path)],
+        capture_output=True, text=True, timeout=50)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "Timeout" in out and "test_stuck_in_c" in out, out
+    assert "Stack of" in out, out  # the thread method's dump: the process was ended

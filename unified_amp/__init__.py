@@ -28,6 +28,8 @@ from .cast_registry import (
 from .errors import (
     BackendUnavailableError,
     CompileWarning,
+    ScalerArgumentError,
+    ScalerStateError,
     TensorTypeError,
     UnifiedAmpError,
     UnknownBackendError,
@@ -82,5 +84,7 @@ __all__ = [
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
     "TensorTypeError",
+    "ScalerStateError",
+    "ScalerArgumentError",
     "CompileWarning",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from . import _amp_stale
 from .interface import LOW_PRECISION
 from ._registry import get_backend
 from ._casting import _cast_tree
@@ -84,6 +85,7 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
             _replace_params(opt, pairs, backend.optimizer_state(opt))
             state.master_of.update((id(p), m) for p, m in pairs)
         info = _OptimizerAmp(state, opt, pairs)
+        state.add_info(info)
         setattr(opt, _OPT_ATTR, info)
         if props.scales_loss or pairs:
             opt.step = types.MethodType(_amp_step, opt)
@@ -178,6 +180,8 @@ class _OptimizerAmp:
         self.scaled_by: int | None = None  # loss_id of gradients left scaled (delay_unscale)
         self.stash: tuple[list[Any], list[Any]] | None = None
         self._started = False
+        # gradients another loss's block scaled and nothing will unscale (_amp_stale.py)
+        self.stale = _amp_stale.StaleGrads(self.backend)
 
     def params(self) -> list[Any]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -245,6 +249,7 @@ def _amp_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         info.skip_next = False
         backend.drop_grads(info.params())
         return backend.skipped_step_result(optimizer)
+    _amp_stale.refuse(info, "optimizer.step()")
     result = info.inner_step(*args, **kwargs)
     if info.masters:
         backend.copy_params(info.model_params, info.masters)

@@ -11,6 +11,8 @@ import math
 import struct
 from typing import Any, Callable
 
+from .errors import ScalerArgumentError
+
 __all__ = ["next_scale"]
 
 
@@ -61,12 +63,12 @@ def check_factors(init_scale: Any, growth_factor: Any, backoff_factor: Any,
             f" The usual start is 2.0**16."
         )
     if not (math.isfinite(growth_factor) and growth_factor > 1.0):
-        raise ValueError(
+        raise ScalerArgumentError(
             f"GradScaler growth_factor must be > 1.0 (the scale is multiplied by it after"
             f" growth_interval clean steps); got {growth_factor!r}. The usual value is 2.0."
         )
     if not (0.0 < backoff_factor < 1.0):
-        raise ValueError(
+        raise ScalerArgumentError(
             f"GradScaler backoff_factor must be in (0, 1) (the scale is multiplied by it"
             f" after an overflow); got {backoff_factor!r}. The usual value is 0.5."
         )
@@ -92,6 +94,11 @@ def valid_scale(value: Any, what: str, backend: Callable[[], Any]) -> float:
     if not is_number(value):
         if backend().is_tensor(value) and numel(value) == 1:
             value = float(value.item())
+        elif backend().is_tensor(value):
+            raise ScalerArgumentError(
+                f"GradScaler {what} must be a number or a 1-element tensor; got a tensor"
+                f" of shape {tuple(value.shape)}. Pass float(t) or a 1-element tensor."
+            )
         else:
             raise TypeError(
                 f"GradScaler {what} must be a number or a 1-element tensor;"

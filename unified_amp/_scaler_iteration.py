@@ -14,6 +14,7 @@ import enum
 from typing import Any
 
 from ._ledger import Check
+from .errors import ScalerStateError
 
 __all__: list[str] = []
 
@@ -124,7 +125,7 @@ class Iteration:
         fix = ("This may indicate your script did not use scaler.scale(loss or outputs)"
                " earlier in the iteration.")
         if not (self.handed_watched or self.handed_blind):
-            raise RuntimeError(
+            raise ScalerStateError(
                 f"Attempted {what} but nothing was scaled since the last update().  {fix}"
                 f" Unscaling now would divide unscaled gradients by the scale"
                 f" ({scale:g}); call scaler.scale(loss).backward(),"
@@ -132,7 +133,7 @@ class Iteration:
             )
         if self.handed_watched and not self.handed_blind and \
                 not self._backward_seen(probes):
-            raise RuntimeError(
+            raise ScalerStateError(
                 f"Attempted {what} but no backward pass has gone through a scaler.scale()"
                 f" output since the last update(): these gradients were not produced by a"
                 f" scaled loss, and unscaling would divide them by the scale"

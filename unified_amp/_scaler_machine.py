@@ -29,6 +29,7 @@ from ._scale_rule import valid_scale
 from ._scaler_forensics import Forensics
 from ._scaler_iteration import Iteration, Stage
 from ._scaler_state import Caps, ScaleState
+from .errors import ScalerStateError
 from ._targets import OptimizerParams, each_tensor, is_optimizer, params_of
 
 __all__: list[str] = []
@@ -417,11 +418,11 @@ class ScalerMachine:
         self.it = Iteration()
         self.forensics.end_iteration()
 
-    def _nothing_checked(self) -> RuntimeError:
+    def _nothing_checked(self) -> ScalerStateError:
         hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"
                 " called update(); drop this update() call, or pass"
                 " backward(..., update_scale=False) to update yourself."
                 if self.updated_by_backward else
                 " Call scaler.step(optimizer), scaler.unscale_(optimizer) or"
                 " scaler.unscale(gm) first, or pass update(new_scale=...).")
-        return RuntimeError("No inf checks were recorded prior to update()." + hint)
+        return ScalerStateError("No inf checks were recorded prior to update()." + hint)

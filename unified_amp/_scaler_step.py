@@ -18,6 +18,7 @@ from typing import Any
 from . import _foreign
 from . import distributed
 from ._ledger import Check, by_grad
+from .errors import ScalerStateError
 from ._scaler_forensics import _user_stacklevel
 from ._scaler_iteration import Iteration, Stage
 from ._scaler_machine import ScalerMachine
@@ -186,7 +187,7 @@ def _step(m: ScalerMachine, optimizer: Any, args: tuple, kwargs: dict) -> Any:
             m.record(pending, grads, check, weak=False)
         checks.append(check)
     if not checks and not fused:
-        raise RuntimeError(
+        raise ScalerStateError(
             "No inf checks were recorded for this optimizer: none of its parameters"
             " has a gradient. Run the scaled backward pass before"
             " scaler.step(optimizer)."
@@ -205,6 +206,15 @@ def _step_unless_found(m: ScalerMachine, optimizer: Any, checks: list[Check],
         return None
     if on_device:
         assert m.s.dev is not None  # steps_on_device() or traced() made it
+        resident = m.caps.resident
+        if resident is not None and resident.skip_leaves_uninitialised_state(optimizer):
+            # Skipped on the device, this step would leave state that the next one
+            # reads uninitialised (torch's fused SGD before its first step: torch.amp
+            # inherits it). Read the verdict and skip here, as the stock optimizer is
+            # skipped: one host read, only until a step is taken.
+            read = m.backend.flag_is_set
+            if any(c.verdict(read) for c in checks if c.flag is not None):
+                return None
         return m.s.dev.step(optimizer, fused_unscale,
                             [c.ready() for c in checks if c.flag is not None],
                             args, kwargs)

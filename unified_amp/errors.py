@@ -14,6 +14,8 @@ __all__ = [
     "UnsupportedPrecisionError",
     "UnsupportedTraceError",
     "TensorTypeError",
+    "ScalerStateError",
+    "ScalerArgumentError",
     "CompileWarning",
 ]
 
@@ -69,6 +71,22 @@ class TensorTypeError(UnifiedAmpError, TypeError, ValueError):
     what to pass instead. A ``TypeError`` (what either framework raises for a
     non-tensor) and a ``ValueError`` (what torch.amp's ``GradScaler.scale()`` raises).
     """
+
+
+class ScalerStateError(UnifiedAmpError, RuntimeError, AssertionError):
+    """A GradScaler call out of order where torch.amp raises ``AssertionError``:
+    ``unscale_()``, ``step()`` or ``update()`` with nothing scaled since the last
+    ``update()``; ``step()`` on an optimizer with no inf checks recorded for it;
+    ``update()`` with nothing checked; pickling mid-iteration.
+
+    Also a ``RuntimeError`` (ours always was), so code that catches either keeps working.
+    """
+
+
+class ScalerArgumentError(UnifiedAmpError, ValueError, AssertionError):
+    """A bad GradScaler number where torch.amp raises ``AssertionError`` (a growth factor
+    not above 1, a backoff factor not below 1, an ``update(new_scale=...)`` tensor that
+    holds more than one element). Also a ``ValueError``, naming the value and the fix."""
 
 
 class CompileWarning(UserWarning):

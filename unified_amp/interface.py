@@ -325,6 +325,12 @@ class DeviceResident(Protocol):
         """A device-resident scale for ``optimizer``'s device. GradScaler switches to it
         the first time such an optimizer steps, so that its steps need no host sync."""
 
+    def skip_leaves_uninitialised_state(self, optimizer: Any) -> bool:
+        """Whether a step of ``optimizer`` that its kernel skipped on the device would
+        leave state that later steps read uninitialised (torch's fused SGD with momentum
+        before its first step taken: it makes the momentum buffers with ``empty_like``).
+        GradScaler then reads the verdict on the host and skips such a step itself."""
+
 
 class TracedScale(DeviceScale, Protocol):
     """A device-resident scale a traced step can use: its ``step`` selects the old

@@ -19,10 +19,11 @@ resolution of the overrides are _opt_presets.py.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _amp_patch, _amp_state
+from . import _amp_patch, _amp_stale, _amp_state
 from ._opt_presets import OptProperties, resolve_properties
 from ._registry import get_backend
 from ._targets import is_optimizer
@@ -52,6 +53,11 @@ class _AmpState:
     def __init__(self, props: OptProperties | None, num_losses: int) -> None:
         self.props = props
         self.backend = get_backend()
+        # Each prepared optimizer's _OptimizerAmp, in order, and the models (to name
+        # parameters in errors): weakly, since the models and optimizers are what keep
+        # this state alive (_amp_state.remember).
+        self._infos: list[Callable[[], Any]] = []
+        self._models: list[Callable[[], Any]] = []
         # id(model parameter) -> its master weight (O2), for amp.keep_float32 after
         # initialize: a pinned module's weights go back to float32 from the masters.
         self.master_of: dict[int, Any] = {}
@@ -74,6 +80,20 @@ class _AmpState:
                        else 0, enabled=props.scales_loss)
             for _ in range(num_losses)
         ]
+
+    def add_info(self, info: Any) -> None:
+        self._infos.append(_weak(info))
+
+    def set_models(self, models: list[Any]) -> None:
+        self._models = [_weak(m) for m in models]
+
+    @property
+    def infos(self) -> list[Any]:
+        return [i for ref in self._infos if (i := ref()) is not None]
+
+    @property
+    def models(self) -> list[Any]:
+        return [m for ref in self._models if (m := ref()) is not None]
 
     def _clamp_value(self, scale: float) -> float:
         low, high = self.bounds
@@ -198,9 +218,17 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
         master_weights=master_weights, loss_scale=loss_scale,
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, low_dtype=low_dtype)
     state = _AmpState(props, num_losses)
+    state.set_models(model_list)
     _amp_patch.prepare(state, model_list, opt_list)
     _amp_state.remember(state, model_list + opt_list)
     return result()
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # not weakly referenceable: held (it then keeps the state alive)
+        return lambda: obj
 
 
 # -- scale_loss -------------------------------------------------------------------------
@@ -254,14 +282,20 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
     if not state.props.scales_loss:
         yield backend.cast(loss, "float32")
         return
+    what = f"amp.scale_loss(loss, ..., loss_id={loss_id})"
+    for info in infos:
+        _amp_stale.refuse(info, what)
     for info in infos:
         info.begin_pass(loss_id)
+    # the others' gradients before the backward, to see which of them it scales
+    others = _amp_stale.snapshot([i for i in state.infos if all(i is not k for k in infos)])
     try:
         yield scaler.scale(backend.cast(loss, "float32"))
     except BaseException:
         for info in infos:
             info.abort_pass()
         raise
+    _amp_stale.note_block(others, loss_id)
     if delay_unscale:
         for info in infos:
             info.scaled_by = loss_id

@@ -46,6 +46,7 @@ from ._scale_rule import check_factors, next_scale, valid_scale
 from ._scaler_machine import ScalerMachine
 from ._scaler_state import ScaleState
 from ._targets import is_optimizer
+from .errors import ScalerStateError
 from .forensics import OverflowReport
 from .interface import NativeScalerClass, capability
 
@@ -415,7 +416,7 @@ class GradScaler:
     def __getstate__(self) -> dict[str, Any]:
         m = self._m
         if m.it.opt_states or m.it.checked():
-            raise RuntimeError(
+            raise ScalerStateError(
                 "A GradScaler instance may only be pickled at the beginning of an"
                 " iteration, or at the end after scaler.update()."
             )

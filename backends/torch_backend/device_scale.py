@@ -149,6 +149,22 @@ class DeviceResident(interface.DeviceResident):
         device by itself: torch's fused Adam, AdamW and SGD (``fused=True``)."""
         return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
+    def skip_leaves_uninitialised_state(self, optimizer: Any) -> bool:
+        """torch's fused SGD with momentum, while it has no momentum buffer: its first
+        step makes them with ``torch.empty_like``, and a step ``found_inf`` skips leaves
+        them unwritten for the next step to read (torch.optim.sgd._fused_sgd). A group's
+        buffers are made together, so its first parameter with a gradient tells."""
+        if not isinstance(optimizer, torch.optim.SGD):
+            return False
+        state = optimizer.state
+        for group in optimizer.param_groups:
+            if not group.get("fused") or group["momentum"] == 0:
+                continue
+            first = next((p for p in group["params"] if p.grad is not None), None)
+            if first is not None and state.get(first, {}).get("momentum_buffer") is None:
+                return True
+        return False
+
     def device_scale(self, optimizer: Any, scale: float, tracker: int,
                      skipped: int) -> TorchDeviceScale:
         device = next(p.device for g in optimizer.param_groups for p in g["params"])

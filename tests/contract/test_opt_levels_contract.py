@@ -184,6 +184,47 @@ def test_gan_one_loss_scale_per_loss_id(kit, device):
     assert amp.loss_scaler(1).stats()["skipped_steps"] == 0
 
 
+def test_gradients_scaled_by_another_loss_block_are_refused(kit, device):
+    """One GradManager over D and G, D's loss from G's output not detached: the backward
+    in D's block (loss_id=0) fills G's gradients, scaled by scale 0, and nothing unscales
+    them. G's scale_loss and opt_g.step() raise before using them; zeroing G's gradients
+    lets G's step go on, on the gradient of G's own loss only."""
+    d = kit.apex_model(device, seed=1, sizes=(3, 8, 1), batch_norm=False)
+    g = kit.apex_model(device, seed=2, sizes=(2, 8, 3), batch_norm=False)
+    opt_d, opt_g = kit.sgd(list(d.parameters()), 0.1), kit.sgd(list(g.parameters()), 0.1)
+    [d, g], [opt_d, opt_g] = amp.initialize([d, g], [opt_d, opt_g], opt_level="O1",
+                                            num_losses=2, low_dtype="float16")
+    gm = amp.GradManager(list(d.parameters()) + list(g.parameters()))
+    rng = np.random.RandomState(3)
+    ones = kit.tensor(np.ones((8, 1), np.float32), device)
+    z = kit.tensor(rng.randn(8, 2).astype(np.float32), device)
+    with gm:
+        loss_d = kit.mse(d(g(z)), ones)
+        with amp.scale_loss(loss_d, opt_d, loss_id=0) as scaled:
+            gm.backward(scaled)
+    opt_d.step()
+    g_before = bits(kit.numpy(p) for p in g.parameters())
+    with pytest.raises(RuntimeError, match=r"optimizer 1 of amp.initialize.*loss_id=0.*detach"):
+        opt_g.step()
+    with gm:
+        loss_g = kit.mse(d(g(z)), ones)
+        with pytest.raises(RuntimeError, match="zero this optimizer's gradients"):
+            with amp.scale_loss(loss_g, opt_g, loss_id=1) as scaled:
+                gm.backward(scaled)
+    assert bits(kit.numpy(p) for p in g.parameters()) == g_before
+    kit.zero_grad(opt_g)
+    gm.zero_grad()
+    with gm:
+        loss_g = kit.mse(d(g(z)), ones)
+        with amp.scale_loss(loss_g, opt_g, loss_id=1) as scaled:
+            gm.backward(scaled)
+    got = np.concatenate([kit.grad(p).ravel() for p in g.parameters()])
+    opt_g.step()
+    assert bits(kit.numpy(p) for p in g.parameters()) != g_before
+    scale = amp.loss_scaler(0).get_scale()
+    assert np.abs(got).max() < scale / 1000, "G stepped on gradients scaled by scale 0"
+
+
 def test_clipping_the_master_params_sees_true_scale_gradients(kit, device):
     ref = Net(kit, device, "O0")
     with ref.gm:

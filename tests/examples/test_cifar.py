@@ -140,7 +140,9 @@ def test_opt_level_trains_through_apex_api_with_o0_as_fp32(folder, tmp_path, mon
 
 
 def test_channels_last_where_the_backend_has_it(fw, folder, tmp_path, capsys):
-    argv = TINY + ["--epochs", "1", "--train-size", "8", "--channels-last",
+    # Width 8: at width 4 oneDNN's AVX2 backward hangs (the test below), and this test
+    # must finish on any x86-64 CPU.
+    argv = TINY + ["--width", "8", "--epochs", "1", "--train-size", "8", "--channels-last",
                    "--data", str(folder), "--out", str(tmp_path)]
     if fw.name == "megengine":  # no memory formats: refused before anything trains
         with pytest.raises(SystemExit) as stop:
@@ -166,8 +168,54 @@ def test_channels_last_where_the_backend_has_it(fw, folder, tmp_path, capsys):
         mp.setattr(resnet, "resnet", keep)
         result = cifar.main(argv)
     assert all(math.isfinite(x) for x in result["runs"]["AMP"]["losses"])
-    conv = made[0].stem[0].weight
-    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    for model in made[-2:]:  # the two runs' (the first one made is the CPU check's)
+        conv = model.stem[0].weight
+        assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+
+
+def test_channels_last_is_refused_where_onednn_would_hang(fw, folder, tmp_path, capsys,
+                                                          monkeypatch):
+    """On a CPU whose oneDNN has no AVX-512 kernels, a strided 1x1 convolution with
+    fewer than 8 input channels hangs in its channels-last backward: the example says
+    so before anything trains, on every CPU (the CPU's answer is planted)."""
+    if fw.name == "megengine":  # refused for having no memory formats (the test above)
+        return
+    monkeypatch.setattr(frameworks, "_onednn_avx2_at_most", lambda torch: True)
+    argv = TINY + ["--epochs", "1", "--train-size", "8", "--channels-last",
+                   "--data", str(folder), "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as stop:
+        cifar.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--channels-last would hang or crash this CPU" in err
+    assert "(stages.2.shortcut.0: 4 in)" in err
+    assert "Use --width 8 or more" in err
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="would hang"):
+        cifar.train_runs(cifar_data.load(folder),
+                         cifar.Options(model="resnet18", width=4, batch_size=8,
+                                       channels_last=True))
+    # Width 8 has no such convolution; ResNet-50's first strided shortcut has 4 x width.
+    assert cifar.channels_last_refusal(fw, "resnet18", 8) is None
+    assert cifar.channels_last_refusal(fw, "resnet50", 2) is None
+    assert "(stages.3.shortcut.0: 4 in)" in cifar.channels_last_refusal(fw, "resnet50", 1)
+    # With AVX-512 kernels there is nothing to refuse.
+    monkeypatch.setattr(frameworks, "_onednn_avx2_at_most", lambda torch: False)
+    assert cifar.channels_last_refusal(fw, "resnet18", 4) is None
+
+
+@pytest.mark.parametrize("cap, capability, affected", [
+    ("", "AVX2", True), ("", "AVX512", False), ("AVX2", "AVX512", True),
+    ("avx512_core", "AVX2", False), ("ALL", "AVX2", True), ("SSE41", "AVX512", True)])
+def test_which_cpus_take_onednns_avx2_kernels(fw, monkeypatch, cap, capability, affected):
+    if fw.name == "megengine":
+        return
+    import torch
+
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert frameworks._onednn_avx2_at_most(torch) is affected
 
 
 def test_a_time_budget_stops_between_epochs(folder, tmp_path):

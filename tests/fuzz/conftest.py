@@ -6,10 +6,18 @@ PROGRAMS=N SEED=S` runs a long one through the same tests. Each program is rebui
 (seed, index) alone, so a failure names the seed and index that reproduce it.
 """
 
+import importlib.util
 import os
 
 import pytest
 
+# The scaler fuzz against each native needs that framework: each runs in its own
+# backend's interpreter (make test / make fuzz run both).
+collect_ignore_glob = [
+    f"test_scaler_fuzz_{name}*.py"
+    for name in ("torch", "megengine")
+    if importlib.util.find_spec(name) is None
+]
 
 
 def _env_int(name: str, default: int) -> int:

@@ -164,3 +164,57 @@ def test_a_block_without_backward_after_an_overflow_is_a_clean_empty_step():
         pass
     stats = amp.loss_scaler().stats()
     assert (stats["steps"], stats["skipped_steps"], stats["last_step_skipped"]) == (2, 1, False)
+
+
+def _stale_gan(level="O1"):
+    d, g = discriminator(), generator()
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(g.parameters(), lr=0.1)
+    [model_d, model_g], [opt_d, opt_g] = amp.initialize([d, g], [opt_d, opt_g],
+                                                        opt_level=level, num_losses=2)
+    torch.manual_seed(4)
+    noise, real = torch.randn(16, 4), torch.randn(16, 2)
+    ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
+    # docs/APEX.md's GAN example before the fix: G's output not detached for D's loss,
+    # G's gradients never zeroed.
+    d_fake = model_d(model_g(noise))
+    loss_d = F.binary_cross_entropy_with_logits(d_fake, zeros) + \
+        F.binary_cross_entropy_with_logits(model_d(real), ones)
+    with amp.scale_loss(loss_d, opt_d, loss_id=0) as scaled_loss:
+        scaled_loss.backward(retain_graph=True)
+    opt_d.step()
+    return model_g, opt_g, F.binary_cross_entropy_with_logits(d_fake, ones)
+
+
+def test_gradients_a_block_scaled_for_another_optimizer_are_refused_before_any_use():
+    """The backward of scale_loss(loss_D, opt_D, loss_id=0) also fills G's gradients,
+    scaled by scale 0; nothing unscales them. G's scale_loss would set them aside as
+    true-scale and add them (G stepping on gradients 2.9e5 times too large): it raises,
+    naming the optimizer, the parameters and the fix."""
+    model_g, opt_g, loss_g = _stale_gan()
+    g_before = [p.detach().clone() for p in model_g.parameters()]
+    msg = r"SGD \(optimizer 1 of amp.initialize\) \(model 1: 0.weight, .*loss_id=0.*detach"
+    with pytest.raises(RuntimeError, match=msg):
+        with amp.scale_loss(loss_g, opt_g, loss_id=1) as scaled_loss:
+            scaled_loss.backward()
+    with pytest.raises(RuntimeError, match="zero this optimizer's gradients"):
+        opt_g.step()  # stepping on them directly is refused too
+    assert all(torch.equal(a, b) for a, b in zip(g_before, model_g.parameters()))
+
+
+def test_zeroing_the_stale_gradients_lets_the_step_go_on():
+    for set_to_none in (True, False):
+        model_g, opt_g, loss_g = _stale_gan()
+        opt_g.zero_grad(set_to_none=set_to_none)
+        with amp.scale_loss(loss_g, opt_g, loss_id=1) as scaled_loss:
+            scaled_loss.backward()
+        got = torch.cat([p.grad.flatten() for p in model_g.parameters()])
+        opt_g.step()
+        # only G's own loss: the gradient of a float32 backward of G's loss alone (the
+        # same models and data, D as it was before its step), within bfloat16's error
+        d, g = discriminator(), generator()
+        torch.manual_seed(4)
+        noise = torch.randn(16, 4)
+        F.binary_cross_entropy_with_logits(d(g(noise)), torch.ones(16, 1)).backward()
+        want = torch.cat([p.grad.flatten() for p in g.parameters()])
+        assert abs(got.norm() / want.norm() - 1) < 0.05, (got.norm(), want.norm())

@@ -27,6 +27,9 @@ OPTIMIZERS = {
     "fused-adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
     "fused-adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
     "fused-sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, fused=True),
+    # reads one flag until its first step is taken (torch's empty_like momentum buffers:
+    # docs/DROP_IN.md); syncs_per_step counts the steps after that first one
+    "fused-sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
 }
 STEPS = 4
 
@@ -96,7 +99,8 @@ def test_fake_cuda_one_sync_per_step_with_an_ordinary_optimizer(optimizer, style
     assert (ours, native) == (1, 1)
 
 
-@pytest.mark.parametrize("optimizer", ["fused-adam", "fused-adamw", "fused-sgd"])
+@pytest.mark.parametrize("optimizer", ["fused-adam", "fused-adamw", "fused-sgd",
+                                       "fused-sgd-momentum"])
 def test_fake_cuda_no_sync_with_fused_optimizers(optimizer):
     with fake_cuda() as fc:
         model, opt, x, y = setup(fc, optimizer)
