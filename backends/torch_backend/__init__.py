@@ -22,7 +22,7 @@ def _import_parts() -> None:
     The first use of the library may be inside a compiled call, in a frame dynamo runs
     eagerly (one it gave up on): there dynamo compiles every function called from it,
     those that the modules below run at import included, and the autocast block's
-    entry, which runs before its marks (autocast.py's ``_never_a_frame_of_its_own``)
+    entry, which runs before its marks (autocast_dynamo.py's ``never_a_frame_of_its_own``)
     are set. Imported here first, nothing of them is compiled; the imports below find
     them in ``sys.modules``.
     """

@@ -44,6 +44,7 @@ from unified_amp.autocast import autocast as amp_autocast
 from unified_amp.errors import CompileWarning, UnsupportedPrecisionError
 
 from . import autocast_dynamo
+from .autocast_dynamo import never_a_frame_of_its_own
 from .basics import DTYPES, LOW, default_dtype, devices
 
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
@@ -263,16 +264,30 @@ class _EagerBlock:
 
 @torch.compiler.disable
 def _exit_eagerly(block: _EagerBlock) -> None:
-    """A block entered eagerly and left in compiled code (dynamo resumed inside it):
-    torch.autocast objects made eagerly cannot be left in a trace."""
+    """A block entered eagerly and left in compiled code (dynamo resumed inside it, or
+    compiles the block's exit as a frame of its own): torch.autocast objects made
+    eagerly cannot be left in a trace."""
     block.__exit__()
+
+
+@torch.compiler.disable
+def _enter_eagerly(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
+                   action: str) -> _EagerBlock:
+    """A block's entry that dynamo compiles as a frame of its own (torch 2.7-2.8, where
+    the entry carries no skip strategy: `never_a_frame_of_its_own`): the frame holding
+    the block runs eagerly, so the block is entered eagerly too, as it is there. In a
+    graph of its own its switches would be dropped when that graph returns."""
+    _warn_for_abandoned_codes()
+    block = _EagerBlock(devs, dtypes, enabled, action)
+    block.__enter__()
+    return block
 
 
 # -- blocks dynamo gave up on ---------------------------------------------------------------
 
 # Code objects of functions whose trace entered a block and never left it: dynamo gave
 # up on the frame (a graph break inside the block) and is about to run it eagerly.
-_abandoned: set[Any] = set()
+_abandoned: dict[Any, None] = {}  # in the order the traces entered their blocks
 _warned: set[Any] = set()
 
 
@@ -289,24 +304,47 @@ def _traced_frame_code() -> Any:
 def _trace_entered() -> None:
     code = _traced_frame_code()
     if code is not None:
-        _abandoned.add(code)
+        _abandoned.pop(code, None)  # to the end: the latest trace
+        _abandoned[code] = None
 
 
 def _trace_left() -> None:
-    _abandoned.discard(_traced_frame_code())
+    _abandoned.pop(_traced_frame_code(), None)
 
 
 # dynamo runs these as they are while it traces (the marker torch.compiler.
 # assume_constant_result sets), instead of tracing them: they note a fact of the trace.
+def _block_is_its_own_frame() -> bool:
+    """Whether dynamo is compiling the block's own entry or exit as the root of a trace
+    (called from a frame it gave up on) rather than inlining it into the user's."""
+    return _traced_frame_code() in _BLOCK_CODES
+
+
+def _warn_for_abandoned_codes() -> None:
+    """The CompileWarning of a block entered through `_enter_eagerly`, named from the
+    code dynamo gave up on: the frames between here and the user's are dynamo's, and
+    no frame object is made for them (issue 33)."""
+    if not _abandoned:
+        return
+    code = next(reversed(_abandoned))  # the last trace given up on: the frame now eager
+    del _abandoned[code]
+    if code in _warned or code.co_name == "wrapper" and code.co_filename == _DECORATOR_FILE:
+        return  # the decorator's own frame holds nothing but the call it wraps
+    _warned.add(code)
+    warnings.warn_explicit(_gave_up_message(code, code.co_firstlineno), CompileWarning,
+                           code.co_filename, code.co_firstlineno)
+
+
 _trace_entered._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _trace_left._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_block_is_its_own_frame._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _warn_if_dynamo_gave_up(frame: Any) -> None:
     """Warns once per function when a block that dynamo traced is entered eagerly after
     all, inside a compiled call."""
     code = frame.f_code
-    _abandoned.discard(code)
+    _abandoned.pop(code, None)
     if code in _warned or code.co_name == "wrapper" and code.co_filename == _DECORATOR_FILE:
         return  # the decorator's own frame holds nothing but the call it wraps
     outer = frame.f_back
@@ -315,9 +353,13 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
     if outer is None:  # not inside a compiled call: dynamo's trace failed and raised
         return
     _warned.add(code)
-    warnings.warn(
+    warnings.warn(_gave_up_message(code, frame.f_lineno), CompileWarning, stacklevel=4)
+
+
+def _gave_up_message(code: Any, line: int) -> str:
+    return (
         f"amp.autocast: a graph break inside the amp.autocast block in"
-        f" {code.co_name} ({code.co_filename}:{frame.f_lineno}) made torch.compile give"
+        f" {code.co_name} ({code.co_filename}:{line}) made torch.compile give"
         f" up on that function (torch {torch.__version__}): it runs eagerly, and only the"
         f" functions it calls are compiled, with the block's autocast state and contract"
         f" in force. For graph pieces as torch.autocast gives: move the body into a"
@@ -325,7 +367,7 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
         f" torch; or, on one device without the contract and torch >= 2.12, use"
         f" amp.autocast(..., contract=False), which is torch.autocast there; or remove"
         f" the break (torch.compile(fullgraph=True) names it). docs/COMPILE.md, 'Graph"
-        f" breaks'.", CompileWarning, stacklevel=4)
+        f" breaks'.")
 
 
 def _dynamo_types_autocast_objects() -> bool:
@@ -396,6 +438,8 @@ class Autocasting(interface.Autocasting):
         dtypes = [DTYPES[dtype or default_dtype(dev)] for dev in devs]
         action = _contract_action(enabled, contract)
         if torch.compiler.is_compiling():
+            if _block_is_its_own_frame():
+                return _enter_eagerly(devs, dtypes, enabled, action)
             _trace_entered()
             return _TracedBlock(devs, dtypes, enabled, action)
         if _abandoned:
@@ -422,34 +466,26 @@ class Autocasting(interface.Autocasting):
         return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
 
 
-def _never_a_frame_of_its_own(*functions: Any) -> None:
-    """Makes dynamo run these functions, and all they call, as they are whenever they are
-    called from code that runs eagerly inside a compiled call (a frame dynamo gave up on
-    after a graph break inside a block); compiled code still inlines them.
-
-    Compiled as frames of their own, a block's entry would switch autocast on inside a
-    graph of its own, whose switches AOTAutograd drops, and its exit would meet
-    torch.autocast objects made eagerly, which dynamo cannot leave (torch 2.14), or a
-    traced block it cannot rebuild (torch 2.7-2.10).
-    """
-    from torch._C._dynamo import eval_frame
-
-    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP,
-                                         eval_frame._FrameAction.SKIP)
-    for fn in functions:
-        eval_frame.set_code_exec_strategy(fn.__code__, skip)
-
-
-_never_a_frame_of_its_own(amp_autocast.__new__, amp_autocast.__init__, amp_autocast.__enter__,
-                          amp_autocast.__exit__)
-# The adapter's side of a block as well: marked here, before any of them can run. On the
-# library's first use, amp.autocast's own __enter__ is already running when the adapter
-# is imported (it imports it), so its mark comes too late for that call, and dynamo,
-# where it runs the calling frame eagerly, would compile these on their own: the eager
-# entry's autocast switches in a graph of their own, whose switches are lost (the block
-# was not in force, silently: issue 33).
-_never_a_frame_of_its_own(Autocasting.check_precision, Autocasting.enter_autocast,
-                          Autocasting.exit_autocast)
+_ENTRY_AND_EXIT = (amp_autocast.__new__, amp_autocast.__init__, amp_autocast.__enter__,
+                   amp_autocast.__exit__, Autocasting.enter_autocast, Autocasting.exit_autocast)
+_BLOCK_CODES = frozenset(fn.__code__ for fn in _ENTRY_AND_EXIT)
+# torch 2.7 and 2.8 crashed (a segmentation fault, a double free, CPython 3.10, 3.12 and
+# 3.13) in a process that had run a block's entry under this "skip, recursively" strategy
+# -- set by hand, a strategy dynamo itself hands out rarely -- and later reset dynamo and
+# compiled (docs/VERSIONS.md, "Failures explained"). There the entry and exit carry no
+# strategy, and a block sees dynamo compile them as frames of their own
+# (`_block_is_its_own_frame`) and enters and leaves eagerly; every later torch keeps it.
+SKIPS_RECURSIVELY = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+if SKIPS_RECURSIVELY:
+    never_a_frame_of_its_own(*_ENTRY_AND_EXIT[:4])
+    # The adapter's side of a block as well: marked here, before any of them can run. On
+    # the library's first use, amp.autocast's own __enter__ is already running when the
+    # adapter is imported (it imports it), so its mark comes too late for that call, and
+    # dynamo, where it runs the calling frame eagerly, would compile these on their own:
+    # the eager entry's autocast switches in a graph of their own, whose switches are
+    # lost (the block was not in force, silently: issue 33).
+    never_a_frame_of_its_own(Autocasting.check_precision, Autocasting.enter_autocast,
+                              Autocasting.exit_autocast)
 # A block object made outside the compiled function is traced as one made inside it.
 OUTSIDE_BLOCKS_TRACED = autocast_dynamo.install(amp_autocast)
 _DECORATOR_FILE = inspect.getsourcefile(amp_autocast)

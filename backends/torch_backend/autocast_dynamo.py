@@ -52,3 +52,23 @@ def install(block_class: type) -> bool:
             return False
         table[block_class] = _wrap_existing_block
     return True
+
+
+def never_a_frame_of_its_own(*functions: Any) -> None:
+    """Makes dynamo run these functions, and all they call, as they are whenever they are
+    called from code that runs eagerly inside a compiled call (a frame dynamo gave up on
+    after a graph break inside a block); compiled code still inlines them.
+
+    Compiled as frames of their own, a block's entry would switch autocast on inside a
+    graph of its own, whose switches AOTAutograd drops, and its exit would meet
+    torch.autocast objects made eagerly, which dynamo cannot leave (torch 2.14), or a
+    traced block it cannot rebuild (torch 2.7-2.10). Not skipped (torch 2.7-2.8), the
+    block sees such a compile (autocast.py's `_block_is_its_own_frame`) and enters and
+    leaves eagerly.
+    """
+    from torch._C._dynamo import eval_frame
+
+    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP,
+                                         eval_frame._FrameAction.SKIP)
+    for fn in functions:
+        eval_frame.set_code_exec_strategy(fn.__code__, skip)
