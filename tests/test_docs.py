@@ -19,7 +19,7 @@ no new example escapes.
 
 A ```diff block (README's drop-in) takes the same marker. Each line starts with "-"
 (the native's code only), "+" (unified_amp's only) or a blank (both); both sides run,
-each in a fresh namespace, and must end with the same weights, byte for byte
+each in a fresh namespace, and must end with the same weights, byte for byte, and scale
 (``test_doc_diff_sides_train_alike``): the "+" side's ``scaler`` is unified_amp's,
 the "-" side's is not, and the check named by then= runs on the "+" side.
 
@@ -406,6 +406,12 @@ def _weights(namespace: dict) -> list[bytes]:
     return [p.detach().numpy().tobytes() for p in namespace["model"].parameters()]
 
 
+def _scale(scaler) -> float:
+    """The loss scale as each native spells it: megengine.amp's attribute, torch.amp's call."""
+    value = getattr(scaler, "scale_factor", None)
+    return float(scaler.get_scale() if value is None else value)
+
+
 def _is_ours(scaler) -> bool:
     return any(c.__module__.split(".")[0] == "unified_amp" for c in type(scaler).__mro__)
 
@@ -413,7 +419,8 @@ def _is_ours(scaler) -> bool:
 @pytest.mark.parametrize("block", DIFFS, ids=[b.name for b in DIFFS])
 def test_doc_diff_sides_train_alike(block, fresh_process):
     """The drop-in claim as printed: the native loop and the loop with the "+" lines give
-    the same weights, byte for byte, and only the "+" side runs unified_amp's scaler."""
+    the same weights, byte for byte, and the same loss scale; only the "+" side runs
+    unified_amp's scaler."""
     before = _side(block, block.before)
     after = _side(block, block.code)
     assert not _is_ours(before["scaler"]), "the '-' side already runs unified_amp's scaler"
@@ -421,6 +428,7 @@ def test_doc_diff_sides_train_alike(block, fresh_process):
     stats = after["scaler"].stats()
     assert stats["steps"] > stats["skipped_steps"], f"no step changed the weights: {stats}"
     assert _weights(after) == _weights(before), "the two sides end with different weights"
+    assert _scale(after["scaler"]) == _scale(before["scaler"]), "the scales parted"
     if block.then:
         THEN[block.then](after)
 
