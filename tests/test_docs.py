@@ -286,7 +286,7 @@ def _split_diff(block: Block, body: list[str]) -> None:
         for side, lines in sides.items():
             lines.append(text if sign in (" ", side) else "")
     if not any(l.startswith("-") for l in body) or not any(l.startswith("+") for l in body):
-        block.problems.append("a diff block has both '-' and '+' lines")
+        block.problems.append("a diff block needs both '-' and '+' lines")
     block.before = textwrap.dedent("\n".join(sides["-"])) + "\n"
     block.code = textwrap.dedent("\n".join(sides["+"])) + "\n"
 
