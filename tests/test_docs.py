@@ -17,6 +17,12 @@ no new example escapes.
         not run (a loop body without its loop, a step that needs two GPUs); it must
         still compile as Python
 
+A ```diff block (README's drop-in) takes the same marker. Each line starts with "-"
+(the native's code only), "+" (unified_amp's only) or a blank (both); both sides run,
+each in a fresh namespace, and must end with the same weights, byte for byte, and scale
+(``test_doc_diff_sides_train_alike``): the "+" side's ``scaler`` is unified_amp's,
+the "-" side's is not, and the check named by then= runs on the "+" side.
+
 ``make test`` runs this file once per backend (UNIFIED_AMP_BACKEND); each run executes
 the blocks that name its backend, one test per block, named by file and line
 (``test_doc_block_runs[docs/COMPILE.md:14]``), so pytest's output counts them, and
@@ -47,7 +53,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BACKENDS = ("torch", "megengine")
 MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(?P<body>.*?)\s*-->\s*$")
-FENCE = re.compile(r"^(?P<indent>\s*)```python\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<kind>python|diff)\s*$")
 
 # What the text leaves out, per backend. A block marked prelude=a,b runs a's code, then
 # b's, then its own, all in one namespace.
@@ -224,6 +230,8 @@ class Block:
     needs: str | None = None
     fragment: bool = False
     problems: list[str] = field(default_factory=list)
+    kind: str = "python"
+    before: str = ""  # a diff's "-" side with its context; ``code`` is its "+" side
 
     @property
     def name(self) -> str:
@@ -266,6 +274,23 @@ def _parse_marker(block: Block) -> None:
         block.problems.append(f"unknown condition needs={block.needs!r} (known: {sorted(NEEDS)})")
 
 
+def _split_diff(block: Block, body: list[str]) -> None:
+    """A diff's two programs: context lines in both, "-" lines before, "+" lines after.
+    Blank lines keep their place in both, so a traceback's line numbers stay right."""
+    sides: dict[str, list[str]] = {"-": [], "+": []}
+    for number, line in enumerate(body, block.line + 1):
+        sign, text = (line[:1], line[1:]) if line.strip() else (" ", "")
+        if sign not in " -+":
+            block.problems.append(f"line {number}: a diff line starts with '-', '+' or ' '")
+            continue
+        for side, lines in sides.items():
+            lines.append(text if sign in (" ", side) else "")
+    if not any(l.startswith("-") for l in body) or not any(l.startswith("+") for l in body):
+        block.problems.append("a diff block needs both '-' and '+' lines")
+    block.before = textwrap.dedent("\n".join(sides["-"])) + "\n"
+    block.code = textwrap.dedent("\n".join(sides["+"])) + "\n"
+
+
 def collect() -> list[Block]:
     blocks = []
     for path in DOCS:
@@ -280,8 +305,11 @@ def collect() -> list[Block]:
             while end < len(lines) and lines[end].strip() != "```":
                 end += 1
             marker = MARKER.match(lines[i - 1]) if i else None
-            block = Block(path, i + 1, textwrap.dedent("\n".join(lines[i + 1:end])) + "\n",
-                          marker.group("body") if marker else None)
+            body = lines[i + 1:end]
+            block = Block(path, i + 1, textwrap.dedent("\n".join(body)) + "\n",
+                          marker.group("body") if marker else None, kind=fence.group("kind"))
+            if block.kind == "diff":
+                _split_diff(block, body)
             _parse_marker(block)
             blocks.append(block)
             i = end + 1
@@ -291,17 +319,22 @@ def collect() -> list[Block]:
 BLOCKS = collect()
 ACTIVE = amp.get_backend().name  # UNIFIED_AMP_BACKEND's, or the first installed
 _registry._reset_for_tests()
-RUNNABLE = [b for b in BLOCKS if not b.fragment and not b.problems and ACTIVE in b.backends]
+RUNNABLE = [b for b in BLOCKS if not b.fragment and not b.problems and ACTIVE in b.backends
+            and b.kind == "python"]
+DIFFS = [b for b in BLOCKS if not b.fragment and not b.problems and ACTIVE in b.backends
+         and b.kind == "diff"]
 FRAGMENTS = [b for b in BLOCKS if b.fragment and not b.problems]
 
 
-def _compiled(block: Block):
+def _compiled(block: Block, code: str | None = None):
     # Padded so that a traceback's line numbers are the document's own.
-    return compile("\n" * block.line + block.code, block.name, "exec")
+    return compile("\n" * block.line + (block.code if code is None else code), block.name,
+                   "exec")
 
 
 def test_every_python_block_is_marked():
     assert len(BLOCKS) >= 20, "the extraction lost blocks"
+    assert len([b for b in BLOCKS if b.kind == "diff"]) >= 2, "README's drop-in diffs"
     bad = [f"{b.name}: {p}" for b in BLOCKS for p in b.problems]
     assert not bad, "\n".join(bad)
 
@@ -354,7 +387,62 @@ def _run(block: Block, namespace: dict) -> None:
         THEN[block.then](namespace)
 
 
+def _side(block: Block, code: str) -> dict:
+    """One side of a diff, run as a script of its own would run."""
+    _registry._reset_for_tests()
+    module = types.ModuleType("doc_example")
+    sys.modules[module.__name__] = module
+    try:
+        for name in block.preludes:
+            exec(compile(textwrap.dedent(PRELUDES[name][ACTIVE]), f"<prelude {name}>", "exec"),
+                 module.__dict__)
+        exec(_compiled(block, code), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    return module.__dict__
+
+
+def _weights(namespace: dict) -> list[bytes]:
+    return [p.detach().numpy().tobytes() for p in namespace["model"].parameters()]
+
+
+def _scale(scaler) -> float:
+    """The loss scale as each native spells it: megengine.amp's attribute, torch.amp's call."""
+    value = getattr(scaler, "scale_factor", None)
+    return float(scaler.get_scale() if value is None else value)
+
+
+def _is_ours(scaler) -> bool:
+    return any(c.__module__.split(".")[0] == "unified_amp" for c in type(scaler).__mro__)
+
+
+@pytest.mark.parametrize("block", DIFFS, ids=[b.name for b in DIFFS])
+def test_doc_diff_sides_train_alike(block, fresh_process):
+    """The drop-in claim as printed: the native loop and the loop with the "+" lines give
+    the same weights, byte for byte, and the same loss scale; only the "+" side runs
+    unified_amp's scaler."""
+    before = _side(block, block.before)
+    after = _side(block, block.code)
+    assert not _is_ours(before["scaler"]), "the '-' side already runs unified_amp's scaler"
+    assert _is_ours(after["scaler"]), "the '+' lines do not put unified_amp's scaler in"
+    stats = after["scaler"].stats()
+    assert stats["steps"] > stats["skipped_steps"], f"no step changed the weights: {stats}"
+    assert _weights(after) == _weights(before), "the two sides end with different weights"
+    assert _scale(after["scaler"]) == _scale(before["scaler"]), "the scales parted"
+    if block.then:
+        THEN[block.then](after)
+
+
 @pytest.mark.parametrize("block", FRAGMENTS, ids=[b.name for b in FRAGMENTS])
 def test_doc_fragment_compiles(block):
     ast.parse(block.code)
     _compiled(block)
+
+
+def test_readme_starts_with_the_code():
+    """The front door (issue 34): the first Python code within the first 40 lines, the
+    whole README under 200; the rest belongs in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if FENCE.match(line))
+    assert first + 1 <= 40, f"README's first code starts at line {first + 1}"
+    assert len(lines) < 200, f"README has {len(lines)} lines"

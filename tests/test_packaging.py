@@ -45,6 +45,23 @@ def test_extras_are_ranges_and_the_pins_live_in_constraints():
         assert re.search(rf"^{name}==\d", pins, re.M | re.I), name
 
 
+def test_version_agrees_in_pyproject_the_package_and_the_changelog():
+    """One version, said three times: pyproject.toml's (what pip installs),
+    unified_amp.__version__ (what a user's code reads) and CHANGELOG.md's latest entry
+    (what a reader is told changed). A bump that misses one of them fails here."""
+    declared = pyproject()["project"]["version"]
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    entries = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", changelog, re.M)
+    assert entries, "CHANGELOG.md has no '## [X.Y.Z] - YYYY-MM-DD' entry"
+    latest, _date = entries[0]
+    assert (declared, amp.__version__, latest) == (declared,) * 3, (
+        f"pyproject.toml says {declared}, unified_amp.__version__ {amp.__version__},"
+        f" CHANGELOG.md's latest entry {latest}")
+    # Newest first, as Keep a Changelog orders them.
+    versions = [tuple(map(int, v.split("."))) for v, _ in entries]
+    assert versions == sorted(versions, reverse=True), versions
+
+
 def _readme_example() -> str:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## The same step on both frameworks")[1]

@@ -1,6 +1,7 @@
-"""docs/VERSIONS.md's table and README's summary of it, written from docs/versions.json
+"""docs/VERSIONS.md's table, written from docs/versions.json
 (tools/version_matrix.py). Only the text between each file's matrix markers is
-generated; the prose around it is written by hand (the failures' explanations there)."""
+generated; the prose around it is written by hand (the failures' explanations there).
+README links to the page instead of repeating the table."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "VERSIONS.md"
-README = ROOT / "README.md"
 MARKERS = {
     DOC: ("<!-- matrix:begin: written by tools/version_matrix.py from docs/versions.json -->",
           "<!-- matrix:end -->"),
-    README: ("<!-- matrix-summary:begin: written by tools/version_matrix.py -->",
-             "<!-- matrix-summary:end -->"),
 }
 STANDARD_TESTS = "UNIFIED_AMP_BACKEND=torch python -m pytest tests -q -p no:cacheprovider"
 NOT_RUN = {"no-wheel": "no torch wheel", "no-python": "no CPython here",
@@ -120,7 +118,7 @@ def _replace_between(path: Path, text: str) -> None:
 def render(results: dict, torches: tuple[str, ...], pythons: tuple[str, ...]) -> dict[Path, str]:
     """The generated text of each file's region."""
     table = grid(results, torches, pythons)
-    return {DOC: table + "\n\n" + details(results, torches, pythons), README: table}
+    return {DOC: table + "\n\n" + details(results, torches, pythons)}
 
 
 def write_docs(results: dict, torches: tuple[str, ...], pythons: tuple[str, ...]) -> None:

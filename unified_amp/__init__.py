@@ -51,7 +51,7 @@ from .opt_levels import (
 from .pinning import keep_float32
 from .scaler import GradScaler
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "autocast",
