@@ -358,9 +358,9 @@ def _warn_if_dynamo_gave_up(frame: Any) -> None:
 
 def _gave_up_message(code: Any, line: int) -> str:
     return (
-        f"amp.autocast: a graph break inside the amp.autocast block in"
-        f" {code.co_name} ({code.co_filename}:{line}) made torch.compile give"
-        f" up on that function (torch {torch.__version__}): it runs eagerly, and only the"
+        f"amp.autocast: a graph break in {code.co_name} ({code.co_filename}:{line}), before"
+        f" or inside its amp.autocast block, made torch.compile give up on that function"
+        f" (torch {torch.__version__}): it runs eagerly, and only the"
         f" functions it calls are compiled, with the block's autocast state and contract"
         f" in force. For graph pieces as torch.autocast gives: move the body into a"
         f" function decorated with @amp.autocast(...), which splits at the break on every"

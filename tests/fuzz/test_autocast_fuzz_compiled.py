@@ -103,9 +103,10 @@ def test_contract_off_compiled_is_torch_autocast_compiled_byte_for_byte(fuzz, si
         assert torch._C._len_torch_function_stack() == 0
 
 
-# A graph break inside a contract block crashed the process later on torch 2.7/3.10
-# and 2.8/3.12-3.13 (docs/VERSIONS.md, an open defect worked on apart from this fuzz):
-# the contract's compiled programs keep the break outside the block until it is fixed.
+# A graph break inside a contract block came before the crashes of torch 2.7/3.10 and
+# 2.8/3.12-3.13 after a dynamo reset, which plain torch 2.8 reproduces (torch #155057,
+# docs/VERSIONS.md): the contract's compiled programs keep the break outside the block
+# until make test-oldest (torch 2.7) has been seen to pass with it.
 CONTRACT_SHAPES = tuple(s for s in programs.SHAPES if s != "break_inside")
 
 
