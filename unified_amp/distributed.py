@@ -33,7 +33,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ._ledger import Check
+from .scaler._ledger import Check
 from .interface import Collectives, DataParallelHooks, capability
 
 __all__: list[str] = []

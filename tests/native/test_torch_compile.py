@@ -635,7 +635,7 @@ def test_the_scalers_host_side_is_never_compiled_from_an_eagerly_run_compiled_fr
     """The scaler's public methods skip torch.compiler.disable's wrapper when no compiled
     code is running (it costs microseconds per call); from a compiled frame that dynamo
     runs eagerly they must still go through it, or the core's own frames get compiled."""
-    from unified_amp._scaler_machine import ScalerMachine
+    from unified_amp.scaler._machine import ScalerMachine
 
     seen = []
     update = ScalerMachine.update  # the core's own frame, once per iteration

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._ledger import Check
-from .interface import DeviceScale
+from ..interface import DeviceScale
 
 __all__ = ["AdapterView"]
 

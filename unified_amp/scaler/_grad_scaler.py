@@ -38,17 +38,18 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
-from . import _scaler_step, _tracing, distributed
+from . import _step
+from .. import _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
-from ._registry import get_backend
+from .._registry import get_backend
 from ._scale_rule import check_factors, next_scale, valid_scale
-from ._scaler_machine import ScalerMachine
-from ._scaler_state import ScaleState
+from ._machine import ScalerMachine
+from ._state import ScaleState
 from ._targets import is_optimizer
-from .errors import ScalerStateError
-from .forensics import OverflowReport
-from .interface import NativeScalerClass, capability
+from ..errors import ScalerStateError
+from ..forensics import OverflowReport
+from ..interface import NativeScalerClass, capability
 
 __all__ = ["GradScaler", "AdapterView", "next_scale"]
 
@@ -107,6 +108,9 @@ class GradScaler:
 
     # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
     __signature__ = UNIFIED_SIG
+    # Pickles name the class by its public path, the one scalers pickled before
+    # scaler/ was a package name too.
+    __module__ = "unified_amp.scaler"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GradScaler":
         if cls is GradScaler:
@@ -184,7 +188,7 @@ class GradScaler:
                 f" MegEngine's own) as its first argument; got {type(gm).__name__}{hint}."
             )
         if self._m.enabled:
-            _scaler_step.backward(self._m, gm, y, dy, unscale_grad, update_scale)
+            _step.backward(self._m, gm, y, dy, unscale_grad, update_scale)
         else:
             gm.backward(y, dy)
 
@@ -245,7 +249,7 @@ class GradScaler:
                 f"GradScaler.step() expects an optimizer (an object with param_groups and"
                 f" step()); got {type(optimizer).__name__}."
             )
-        return _scaler_step.step(self._m, optimizer, args, kwargs)
+        return _step.step(self._m, optimizer, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the

@@ -17,10 +17,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from . import _tracing
+from .. import _tracing
 from ._ledger import _no_version
 from ._scale_rule import check_factors, f32, next_scale
-from .interface import (BackwardProbes, Collectives, DeviceResident, DeviceScale,
+from ..interface import (BackwardProbes, Collectives, DeviceResident, DeviceScale,
                         GradVersions, Tracing, capability)
 
 __all__: list[str] = []

@@ -15,10 +15,10 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
-from . import _foreign
-from . import forensics as tracing
-from ._registry import get_backend
-from .forensics import BadGradient, OverflowReport, OverflowWarning, _ref
+from .. import _foreign
+from .. import forensics as tracing
+from .._registry import get_backend
+from ..forensics import BadGradient, OverflowReport, OverflowWarning, _ref
 
 __all__: list[str] = []
 

@@ -11,7 +11,7 @@ import math
 import struct
 from typing import Any, Callable
 
-from .errors import ScalerArgumentError
+from ..errors import ScalerArgumentError
 
 __all__ = ["next_scale"]
 

@@ -15,13 +15,13 @@ import inspect
 import warnings
 from typing import Any
 
-from . import _foreign
-from . import distributed
+from .. import _foreign
+from .. import distributed
 from ._ledger import Check, by_grad
-from .errors import ScalerStateError
-from ._scaler_forensics import _user_stacklevel
-from ._scaler_iteration import Iteration, Stage
-from ._scaler_machine import ScalerMachine
+from ..errors import ScalerStateError
+from ._forensics import _user_stacklevel
+from ._iteration import Iteration, Stage
+from ._machine import ScalerMachine
 from ._targets import params_of
 
 __all__: list[str] = []

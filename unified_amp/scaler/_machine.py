@@ -5,7 +5,7 @@
 ``update()``, the ledger of unscaled gradient generations (_ledger.py), the overflow
 reports (_scaler_forensics.py) -- and runs the loop's operations on it: ``scale``,
 ``backward``, ``unscale``, ``update`` (``step`` and the usual ``backward(gm, loss)`` are
-_scaler_step.py's, on this machine). Each splits a target's gradients into
+_step.py's, on this machine). Each splits a target's gradients into
 still-scaled / already-checked / idle (the ledger), refuses an unscale that would be
 wrong, runs one fused check (``check``: agreed across ranks where needed,
 distributed.py), and ``finish`` ends the iteration.
@@ -21,15 +21,15 @@ from __future__ import annotations
 import weakref
 from typing import Any, Sequence
 
-from . import _foreign
-from . import _tracing, distributed
+from .. import _foreign
+from .. import _tracing, distributed
 from ._ledger import Check, GradLedger, by_grad
-from ._registry import get_backend
+from .._registry import get_backend
 from ._scale_rule import valid_scale
-from ._scaler_forensics import Forensics
-from ._scaler_iteration import Iteration, Stage
-from ._scaler_state import Caps, ScaleState
-from .errors import ScalerStateError
+from ._forensics import Forensics
+from ._iteration import Iteration, Stage
+from ._state import Caps, ScaleState
+from ..errors import ScalerStateError
 from ._targets import OptimizerParams, each_tensor, is_optimizer, params_of
 
 __all__: list[str] = []

@@ -14,7 +14,7 @@ import enum
 from typing import Any
 
 from ._ledger import Check
-from .errors import ScalerStateError
+from ..errors import ScalerStateError
 
 __all__: list[str] = []
 
