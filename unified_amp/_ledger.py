@@ -1,6 +1,7 @@
 """The ledger's path before ``scaler/`` was a package: scalers pickled then name
 ``unified_amp._ledger.GradLedger`` (tests/test_structure.py loads one)."""
 
-from .scaler._ledger import Check, GradLedger
+from .scaler._ledger import GradLedger
+from .scaler._machine import Check
 
 __all__ = ["Check", "GradLedger"]

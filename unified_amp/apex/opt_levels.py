@@ -13,7 +13,7 @@ everything about *when* lives here and in ``_patch.py``.
     optimizer.step()                        # skipped after an overflow
 
 docs/APEX.md has the table of what each level does on each backend; the presets and the
-resolution of the overrides are _opt_presets.py.
+resolution of the overrides are _presets.py.
 """
 
 from __future__ import annotations

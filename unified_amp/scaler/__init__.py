@@ -4,14 +4,15 @@ Read in this order:
 
 - ``_grad_scaler.py``  ``GradScaler``: the call forms of torch.amp and megengine.amp,
   argument checks, checkpoints; every operation goes to the machine it holds.
-- ``_machine.py``      ``ScalerMachine``: the state machine in one file -- the
-  per-optimizer stages, what one iteration records, and the transitions ``unscale``,
-  ``step`` and ``update``.
+- ``_machine.py``      ``ScalerMachine``: the state machine -- what one iteration
+  records (each optimizer's stage, every check), the fused check, and ``step`` written
+  top to bottom; ``_scaling.py`` has its other calls (``scale``, ``backward(gm, loss)``,
+  ``unscale``, ``update``).
 - the parts the machine holds: ``_state.py`` (the scale and its telemetry),
   ``_scale_rule.py`` (the growth/backoff rule), ``_ledger.py`` (which gradient
-  generations were unscaled, and each check's verdict), ``_targets.py`` (the parameters
-  of an optimizer, module or list), ``_forensics.py`` (overflow reports), and
-  ``_backward.py`` (handing out the scale: ``scale()`` and ``backward(gm, loss)``);
+  generations were unscaled, by which check), ``_handout.py`` (how the scale went out),
+  ``_targets.py`` (the parameters of an optimizer, module or list) and ``_forensics.py``
+  (overflow reports);
 - beside the class: ``_call_forms.py`` (torch.amp's and megengine.amp's signatures) and
   ``_adapter_view.py`` (what an adapter's subclass may read).
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._ledger import Check
+from ._machine import Check
 from ..interface import DeviceScale
 
 __all__ = ["AdapterView"]

@@ -39,44 +39,8 @@ import weakref
 from typing import Any, Callable
 
 Version = Callable[[Any], "int | None"]
-
-
-class Check:
-    """One fused check (usually with unscale) over a set of gradients.
-
-    ``flag`` is the adapter's device-side flag (None when there were no gradients);
-    ``found`` is the host verdict once read (None while unread). ``pending`` is the
-    handle of a cross-rank all-reduce still running on ``flag`` (see distributed.py),
-    waited for before the flag is first used. ``on_overflow`` runs once if the read
-    finds an inf/NaN (the overflow report, forensics.py); it is dropped unrun once the
-    verdict is known, so a clean check costs nothing more.
-    """
-
-    __slots__ = ("flag", "found", "pending", "on_overflow", "__weakref__")
-
-    def __init__(self, flag: Any, found: bool | None, pending: Any = None,
-                 on_overflow: Callable[[], None] | None = None) -> None:
-        self.flag = flag
-        self.found = found
-        self.pending = pending
-        self.on_overflow = on_overflow
-
-    def ready(self) -> Any:
-        """The flag, once any all-reduce on it has completed (on a GPU this orders the
-        streams and does not wait on the host)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.wait()
-        return self.flag
-
-    def verdict(self, read: Callable[[Any], bool]) -> bool:
-        """The host verdict, reading the flag (a host sync) the first time only."""
-        if self.found is None:
-            self.found = bool(read(self.ready()))
-            hook, self.on_overflow = self.on_overflow, None
-            if self.found and hook is not None:
-                hook()  # before anyone drops the gradients it describes
-        return self.found
+# A record's check: a Check of the machine's (_machine.py), kept and handed back unread.
+CheckRef = Any
 
 
 # lookup's answer for a gradient that a backward pass accumulated into after it was
@@ -97,7 +61,7 @@ class _Batch:
     __slots__ = ("_key", "params", "grads", "versions", "epoch", "check", "weak", "index")
 
     def __init__(self, params: list[Any], grads: list[Any], versions: list[Any] | None,
-                 epoch: int, check: Check) -> None:
+                 epoch: int, check: CheckRef) -> None:
         # The ids of ``params``, made when first needed: torch.amp's loop records a
         # batch at step() and drops it at update() without ever looking it up.
         self._key: tuple[int, ...] | None = None
@@ -181,7 +145,7 @@ class GradLedger:
         """The user called update(): every record ends (see the module docstring)."""
         self._batches = []
 
-    def record(self, params: list[Any], grads: list[Any], check: Check,
+    def record(self, params: list[Any], grads: list[Any], check: CheckRef,
                weak: bool = True, version: Version | None = None) -> None:
         """Notes that ``grads`` (the current gradients of ``params``, None where the
         scaler dropped one or the rank had none) went through ``check``.
@@ -303,15 +267,14 @@ class GradLedger:
         return not self._batches
 
     def split(self, params: list[Any], version: Version
-              ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+              ) -> tuple[list[Any], list[Any], list[CheckRef], list[Any]]:
         """``params`` whose current gradient is a new generation, and those gradients;
-        the checks that unscaled the others; the params without a gradient.
+        the checks that unscaled the others; the params without a gradient. Only called
+        while some batch exists (the machine's ``by_grad`` answers otherwise).
 
         Raises:
             RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
         """
-        if not self._batches:  # the usual step: one pass, no lookups
-            return by_grad(params)
         grads = [p.grad for p in params]
         pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
         for p, g, check in zip(params, grads, self.answers(params, grads, version)):
@@ -350,17 +313,6 @@ class GradLedger:
         if mixed:
             raise _mixed_error(mixed, len(params))
         return held
-
-
-def by_grad(params: list[Any]) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
-    """``split`` where the ledger has nothing to say: ``params`` with a gradient and
-    those gradients, no checks, and ``params`` without one."""
-    grads = list(map(_grad_of, params))
-    if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
-        return params, grads, [], []
-    return ([p for p, g in zip(params, grads) if g is not None],
-            [g for g in grads if g is not None], [],
-            [p for p, g in zip(params, grads) if g is None])
 
 
 def _no_version(grad: Any) -> None:

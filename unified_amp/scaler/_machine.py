@@ -1,38 +1,175 @@
-"""GradScaler's state machine: one object that a GradScaler holds and delegates to.
+"""GradScaler's state machine: what one iteration records, the stages, and ``step``.
 
-``ScalerMachine`` holds everything a scaler knows -- the scale and its telemetry
-(``ScaleState``, _scaler_state.py), per-optimizer stages, the checks since the last
-``update()``, the ledger of unscaled gradient generations (_ledger.py), the overflow
-reports (_scaler_forensics.py) -- and runs the loop's operations on it: ``scale``,
-``backward``, ``unscale``, ``update`` (``step`` and the usual ``backward(gm, loss)`` are
-_step.py's, on this machine). Each splits a target's gradients into
-still-scaled / already-checked / idle (the ledger), refuses an unscale that would be
-wrong, runs one fused check (``check``: agreed across ranks where needed,
-distributed.py), and ``finish`` ends the iteration.
-
-Where the usual step needs nothing of a part, it pays nothing for it: one process asks
-the adapter once whether there are other ranks; an adapter without traces never asks
-about them; the usual torch.amp step has no record alive when it steps, so it looks
-nothing up.
+A ``GradScaler`` (_grad_scaler.py) holds one ``ScalerMachine`` and delegates to it.
+An ``Iteration`` records, until the next ``update()``, each optimizer's ``Stage``
+(torch.amp's READY -> UNSCALED -> STEPPED), every ``Check`` (one fused check-and-unscale
+over a set of gradients: its device flag and, once read, its verdict) and how the scale
+went out (_handout.py). ``step`` reads top to bottom: check the stage, unscale what is
+still scaled (``check``, agreed across ranks where needed: distributed.py), read the
+verdict, step or skip, record the stage; the usual torch.amp step is written out first,
+paying nothing for parts it does not need. The other calls (scale, backward(gm, loss),
+unscale, update) are _scaling.py's, on this machine. The parts it holds: ``ScaleState``
+(_state.py), the ``GradLedger`` of unscaled gradient generations (_ledger.py),
+``Forensics`` (_forensics.py) and the optimizers' parameter lists (_targets.py).
 """
 
 from __future__ import annotations
 
+import enum
+import functools
+import inspect
+import operator
+import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from .. import _foreign
 from .. import _tracing, distributed
-from ._ledger import Check, GradLedger, by_grad
 from .._registry import get_backend
-from ._scale_rule import valid_scale
-from ._forensics import Forensics
-from ._iteration import Iteration, Stage
-from ._state import Caps, ScaleState
 from ..errors import ScalerStateError
-from ._targets import OptimizerParams, each_tensor, is_optimizer, params_of
+from ._forensics import Forensics, _user_stacklevel
+from ._handout import Handout
+from ._ledger import GradLedger
+from ._state import Caps, ScaleState
+from ._targets import OptimizerParams
 
 __all__: list[str] = []
+
+# Checks kept before the read ones are folded into counts (a loop of megengine.amp's
+# manual form that never calls update() would otherwise check without end).
+_MAX_CHECKS = 64
+
+
+class Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+class OptState:
+    """One optimizer's progress through the iteration (torch.amp's stages)."""
+
+    __slots__ = ("stage", "checks")
+
+    def __init__(self) -> None:
+        self.stage = Stage.READY
+        self.checks: list[Check] = []  # the checks that covered its gradients
+
+
+class Iteration:
+    """What happened since the last ``update()``: each optimizer's stage (keyed by
+    ``id()``: the keys live for one iteration only), every check that ``update()`` must
+    count, and how the scale was handed out."""
+
+    __slots__ = ("opt_states", "checks", "folded", "folded_found", "handout")
+
+    def __init__(self) -> None:
+        self.opt_states: dict[int, OptState] = {}
+        self.checks: list[Check] = []
+        self.folded = 0  # read checks folded into counts, and how many found inf/NaN
+        self.folded_found = 0
+        self.handout = Handout()  # how the scale went out (_handout.py)
+
+    def opt_state(self, optimizer: Any) -> OptState:
+        state = self.opt_states.get(id(optimizer))
+        if state is None:
+            state = self.opt_states[id(optimizer)] = OptState()
+        return state
+
+    def add(self, check: Check) -> None:
+        checks = self.checks
+        checks.append(check)
+        if len(checks) > _MAX_CHECKS:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Folds the read checks into counts (update() needs only whether one found an
+        inf/NaN), keeping those an optimizer's stage refers to."""
+        kept = {id(c) for st in self.opt_states.values() for c in st.checks}
+        folded = [c for c in self.checks if c.found is not None and id(c) not in kept]
+        self.folded += len(folded)
+        self.folded_found += sum(1 for c in folded if c.found)
+        gone = {id(c) for c in folded}
+        self.checks = [c for c in self.checks if id(c) not in gone]
+
+    def checked(self) -> bool:
+        return bool(self.checks) or bool(self.folded)
+
+    def overflows(self) -> int:
+        """Checks of this iteration that found an inf/NaN (read so far)."""
+        return self.folded_found + sum(1 for c in self.checks if c.found)
+
+
+class Check:
+    """One fused check (usually with unscale) over a set of gradients: ``flag``, the
+    adapter's device-side flag (None: no gradients); ``found``, the host verdict once
+    read (None while unread); ``pending``, the handle of a cross-rank all-reduce still
+    running on ``flag`` (distributed.py); ``on_overflow``, the overflow report
+    (_forensics.py), run once if the read finds an inf/NaN, else dropped unrun."""
+
+    __slots__ = ("flag", "found", "pending", "on_overflow", "__weakref__")
+
+    def __init__(self, flag: Any, found: bool | None, pending: Any = None,
+                 on_overflow: Callable[[], None] | None = None) -> None:
+        self.flag = flag
+        self.found = found
+        self.pending = pending
+        self.on_overflow = on_overflow
+
+    def ready(self) -> Any:
+        """The flag, once any all-reduce on it has completed (on a GPU this orders the
+        streams and does not wait on the host)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+        return self.flag
+
+    def verdict(self, read: Callable[[Any], bool]) -> bool:
+        """The host verdict, reading the flag (a host sync) the first time only."""
+        if self.found is None:
+            self.found = bool(read(self.ready()))
+            hook, self.on_overflow = self.on_overflow, None
+            if self.found and hook is not None:
+                hook()  # before anyone drops the gradients it describes
+        return self.found
+
+
+def by_grad(params: list[Any]) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+    """``split`` where the ledger has nothing to say: ``params`` with a gradient and
+    those gradients, no checks, and ``params`` without one."""
+    grads = list(map(_grad_of, params))
+    if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
+        return params, grads, [], []
+    return ([p for p, g in zip(params, grads) if g is not None],
+            [g for g in grads if g is not None], [],
+            [p for p, g in zip(params, grads) if g is None])
+
+
+_is_none = functools.partial(operator.is_, None)
+_grad_of = operator.attrgetter("grad")  # (map() with it: no Python frame per parameter)
+
+
+def refuse_fp16(caps: Caps, grads: list[Any]) -> None:
+    """Raises torch.amp's ValueError if a gradient is float16 (each dtype asked once)."""
+    for dtype in {g.dtype for g in grads}:
+        known = caps.fp16.get(dtype)
+        if known is None:
+            known = caps.fp16[dtype] = caps.backend.dtype_name(dtype) == "float16"
+        if known:
+            raise ValueError(
+                "Attempting to unscale FP16 gradients. GradScaler needs float32"
+                " parameters (and so float32 gradients): keep the model in float32"
+                " and let autocast run the low-precision ops."
+            )
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_grad_scaler_kwarg(optimizer_class: Any) -> bool:
+    # torch's older contract for optimizers that unscale themselves: the scaler passes
+    # itself as step(grad_scaler=...). Asked once per class: inspect.signature is slow.
+    try:
+        return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class ScalerMachine:
@@ -60,7 +197,7 @@ class ScalerMachine:
         # as it does under torch.amp, while the scaler's host work runs eagerly.
         self.defer_steps = False
         self.deferred: tuple[Any, tuple, dict] | None = None
-        self._new_iteration()
+        self.new_iteration()
         if enabled:
             self._caps()  # (an adapter with traces calls flush_trace_copy from now on)
 
@@ -90,23 +227,11 @@ class ScalerMachine:
         self.s.sync_from_device()
         return self.s.value
 
-    def overflows_since_update(self) -> int:
-        return self.it.overflows()
-
-    def _new_iteration(self) -> None:
+    def new_iteration(self) -> None:
         self.it = Iteration()
         self.forensics.end_iteration()
 
     # -- traces (_tracing.py has the policy) ----------------------------------------------
-    def traced(self, what: str) -> bool:
-        """Whether ``what`` runs inside a trace, raising where it cannot run there as it
-        does eagerly (then the scale stays on the device: ScaleState.enter_trace)."""
-        tracer = self.caps.tracer
-        if tracer is None or tracer.trace_mode() is None:
-            return False
-        self.s.enter_trace(tracer, what)
-        return True
-
     def refuse_in_trace(self, what: str, kind: str) -> None:
         """Raises if ``what``, a call that needs the host, runs inside a trace."""
         if self.enabled:
@@ -119,175 +244,39 @@ class ScalerMachine:
         if self.enabled and self.caps is not None and self.caps.tracer is not None:
             self.s.mirror(self.caps.tracer)
 
-    # -- scaling ----------------------------------------------------------------------------
-    def scale(self, outputs: Any) -> Any:
-        caps = self.caps
-        if caps.tracer is not None:
-            self.traced("GradScaler.scale()")
-        if not caps.backend.is_tensor(outputs):
-            self.forensics.saw_loss(outputs)
-            return self._scaled(outputs, "outputs", caps)
-        # The usual call, one loss, written out: it runs every step.
-        self.forensics.loss = outputs
-        dev = self.s.dev
-        out = dev.scale(outputs) if dev is not None else caps.backend.scale(outputs,
-                                                                           self.s.value)
-        self.it.handed(None if caps.probes is None else caps.probes.backward_token(out))
-        self.ledger.new_backward(caps.version)  # a backward may follow
-        return out
-
-    def _scaled(self, val: Any, where: str, caps: Caps) -> Any:
-        backend = caps.backend
-        if not backend.is_tensor(val):
-            return each_tensor(val, where, lambda v, w: self._scaled(v, w, caps), backend)
-        dev = self.s.dev
-        out = dev.scale(val) if dev is not None else backend.scale(val, self.s.value)
-        self.it.handed(None if caps.probes is None else caps.probes.backward_token(out))
-        # A backward may follow: the records' versions are read now, before it.
-        self.ledger.new_backward(caps.version)
-        return out
-
-    def backward(self, gm: Any, y: Any, dy: Any, unscale_grad: bool,
-                 update_scale: bool) -> None:
-        caps = self.caps
-        if caps.tracer is not None:
-            if unscale_grad:
-                self.refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
-            self.traced("GradScaler.backward(gm, loss, unscale_grad=False)")
-        ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
-        _foreign.require_tensors(caps.backend, ys, "GradScaler.backward(gm, y)",
-                                 "Pass the loss (or outputs) the forward pass recorded.")
-        if dy is None:
-            dys = None
-        else:
-            dys = list(dy) if isinstance(dy, (list, tuple)) else [dy]
-            if len(dys) != len(ys):
-                raise ValueError(
-                    f"GradScaler.backward() got {len(ys)} output(s) y but {len(dys)}"
-                    f" cotangent(s) dy; pass one dy per y, or dy=None for ones."
-                )
-        backend, s = caps.backend, self.s
-        if s.dev is not None:
-            cotangents = s.dev.scaled_cotangents(ys, dys)
-        else:
-            cotangents = backend.scaled_cotangents(ys, dys, s.value)
-        attached = params_of(gm, backend, "GradScaler.backward()")
-        # This backward writes a new generation of gm's gradients.
-        held = self.ledger.begin_backward(attached, caps.version)
-        if held:  # bring them back to the scale: one unscale afterwards gives the true sum
-            if s.dev is not None:
-                s.dev.rescale(held)
-            else:  # the fused check-and-multiply kernel, given the scale itself
-                backend.unscale_and_check(held, s.value, True)
-        self.it.handed(None)
-        self.forensics.saw_loss(ys)
-        gm.backward(ys, cotangents)
-        if unscale_grad:
-            # Every attached gradient is new: the ledger has nothing to say about them.
-            self.unscale(gm, "unscale()", True, attached)
-            if update_scale:
-                self.finish(None)  # not the user's: the ledger's iteration goes on
-                self.updated_by_backward = True
-            self.ledger.weaken()  # the user's step, zero_grad and next forward follow
-
-    # -- unscaling --------------------------------------------------------------------------
-    def unscale(self, target: Any, what: str, drop: bool,
-                fresh: list[Any] | None = None) -> None:
-        """unscale() (``drop``: megengine.amp's form, the verdict read at once and the
-        overflowed gradients dropped) and unscale_(). ``fresh``: the target's
-        parameters, when a backward pass this scaler ran just wrote all their gradients
-        (nothing to look up)."""
-        caps = self.caps
-        state = None
-        if fresh is None and is_optimizer(target):
-            state = self.it.opt_state(target)
-            if state.stage is Stage.UNSCALED:
-                raise RuntimeError(
-                    "unscale_() has already been called on this optimizer since the last"
-                    " update(). Unscaling twice would divide its gradients by the scale"
-                    " twice; call scaler.update() to finish the iteration first."
-                )
-            if state.stage is Stage.STEPPED:
-                raise RuntimeError(
-                    "unscale_() is being called after step(). Unscale before"
-                    " scaler.step(optimizer) (step() unscales by itself when you don't)."
-                )
-        backend = caps.backend
-        if fresh is None:
-            params = params_of(target, backend, f"GradScaler.{what}")
-            distributed.note_module(backend, target)
-            pending, grads, done, idle = self.split(params)
-        else:
-            pending, grads, done, idle = by_grad(fresh)
-        if done:
-            raise RuntimeError(
-                f"{what} has already been called on these gradients: no backward pass"
-                f" the scaler could see (through scaler.scale() or scaler.backward()) has"
-                f" written them since they were unscaled. Unscaling twice would divide"
-                f" them by the scale twice. Unscale each set of gradients once, after all"
-                f" of its backward passes (scaler.backward(gm, loss) already unscales"
-                f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
-                f" gradients that were not cleared also adds to unscaled ones."
-            )
-        solo = self.solo()
-        agreement, unscale = None if solo else False, True
-        if pending:
-            agreement, unscale = self.scaled_or_idle(pending, idle, what, solo)
-            if not solo:
-                distributed.require_synced(backend, pending, f"GradScaler.{what}")
-        if state is not None:
-            self.steps_on_device(target)  # a fused optimizer moves the scale to the device
-        # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
-        # in step(), as torch.amp does.
-        check = self.check(pending, grads=grads, idle=idle, agreement=agreement,
-                           unscale=unscale, read=drop)
-        if drop and check.found:
-            backend.drop_grads(pending)
-            grads = [None] * len(pending)
-            self.forensics.overflowed_without_update(self.it.overflows(),
-                                                     self.s.value)
-        # torch.amp's unscale_ is followed by step() and update() within the iteration;
-        # megengine.amp's unscale may be followed by the next forward instead.
-        self.record(pending, grads, check, weak=drop)
-        if state is not None:
-            state.stage = Stage.UNSCALED
-            state.checks.append(check)
-
+    # -- a target's gradients, split and recorded by the ledger ------------------------------
     def split(self, params: list[Any]
               ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
         """``params`` with a gradient that still needs unscaling and those gradients,
         the checks that already covered others (from the ledger), and the params with
         neither."""
         caps = self.caps
-        if self.it.records_wait and self.it.late_backward(caps.probes):
+        if self.it.handout.records_wait and self.it.handout.late_backward(caps.probes):
             self.ledger.new_backward(caps.version)  # that backward ran after the record
+        if self.ledger.empty():  # the usual step: one pass, no lookups
+            return by_grad(params)
         return self.ledger.split(params, caps.version)
 
     def record(self, params: list[Any], grads: list[Any], check: Check,
                weak: bool) -> None:
         it, caps = self.it, self.caps
-        if params and it.watched and it.waiting(caps.probes):
+        if params and it.handout.watched and it.handout.waiting(caps.probes):
             # A backward through a scale() output made before this record may run after
             # it: keep the gradients' versions as they are now, to compare with then.
-            it.records_wait = True
+            it.handout.records_wait = True
             self.ledger.record(params, grads, check, weak=weak, version=caps.version)
         else:
             self.ledger.record(params, grads, check, weak=weak)
 
-    # -- the misuse checks --------------------------------------------------------------------
     def scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str,
                        solo: bool) -> tuple[Any, bool]:
-        """Whether ``pending`` may be unscaled: returns ``(agreement, unscale)`` for
-        ``check``, or raises if nothing was scaled since the last update.
-
-        One exception to the raise: a rank of a job whose checks are agreed across ranks
-        (a process_group, FSDP) that had no loss this step -- an empty micro-batch, an
-        expert that got no tokens -- may still hold gradients (zeroed in place). They are
-        not scaled, so they are checked as they are, not divided, and the rank joins the
-        other ranks' decision instead of leaving them waiting in the collective.
-        """
+        """Whether ``pending`` may be unscaled: ``(agreement, unscale)`` for ``check``;
+        raises if nothing was scaled since the last update. Except on a rank of a job
+        whose checks are agreed across ranks that had no loss this step (an empty
+        micro-batch, an expert without tokens): its gradients (zeroed in place) are
+        checked as they are, not divided, so that it joins the other ranks' decision."""
         it = self.it
-        if it.handed_watched or it.handed_blind:
+        if it.handout.handed_watched or it.handout.handed_blind:
             self.require_scaled(what)  # raises only if no backward used the scale
             return None if solo else False, True
         agreement = None if solo else self.plan(pending, idle)
@@ -297,7 +286,7 @@ class ScalerMachine:
 
     def require_scaled(self, what: str) -> None:
         """Raises if unscaling now would shrink gradients that were never scaled."""
-        self.it.require_scaled(what, self.s.value, self.caps.probes)
+        self.it.handout.require_scaled(what, self.s.value, self.caps.probes)
 
     # -- the fused check ----------------------------------------------------------------------
     def solo(self) -> bool:
@@ -317,14 +306,11 @@ class ScalerMachine:
     def check(self, params: list[Any], *, grads: list[Any] | None = None,
               idle: Sequence[Any] = (), agreement: Any = False,
               unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
-        """Checks the gradients of ``params`` for inf/NaN in one fused call, unscaling
-        them too unless a fused optimizer will. ``read`` reads the verdict at once (the
-        sync); otherwise it is read when first needed.
-
-        In a multi-process job the verdict is agreed across ranks (distributed.py);
-        ``idle`` (the target's params without a gradient here) then take part too, and
-        ``agreement`` may pass the plan when the caller made it already. ``grads``:
-        the gradients of ``params``, where the caller has them already.
+        """Checks the gradients of ``params`` (``grads``, where the caller has them) for
+        inf/NaN in one fused call, unscaling them too unless a fused optimizer will;
+        ``read`` reads the verdict at once (the sync), else it is read when first needed.
+        Across ranks the verdict is agreed (distributed.py): ``idle`` (the target's params
+        without a gradient here) take part too; ``agreement``: the plan, if made already.
         """
         caps = self.caps
         backend, s = caps.backend, self.s
@@ -344,18 +330,19 @@ class ScalerMachine:
                                                      allow_fp16)
                 else:
                     if not allow_fp16:
-                        caps.refuse_fp16(grads)
+                        refuse_fp16(caps, grads)
                     flag = dev.unscale_and_check(grads) if unscale else dev.check(grads)
             except ValueError:
                 if not allow_fp16:
-                    caps.refuse_fp16(grads)  # float16 gets the core's words
+                    refuse_fp16(caps, grads)  # float16 gets the core's words
                 raise
+        handle = None
         if agreement is not None:
-            check = agreement.check(flag, params or list(idle))
+            flag, handle = agreement.reduce(flag, params or list(idle))
+        check = Check(None, False) if flag is None else Check(flag, None, handle)
+        if agreement is not None:
             # Every rank now covers the same parameters, gradient or not.
             self.ledger.record(list(idle), [None] * len(idle), check)
-        else:
-            check = Check(None, False) if flag is None else Check(flag, None)
         self.it.add(check)
         if check.found is None:
             check.on_overflow = self.forensics.hook(params, backend, s.steps + 1)
@@ -363,7 +350,145 @@ class ScalerMachine:
                 check.verdict(backend.flag_is_set)  # the one sync
         return check
 
-    # -- stepping -----------------------------------------------------------------------------
+    # -- step: check the stage, unscale, read the verdict, step or skip, record the stage --
+    def step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        """``scaler.step(optimizer)``; written out where the usual torch.amp step needs
+        nothing more: the scale on the host, no trace, no record alive, one process, an
+        optimizer that neither skips by itself nor was unscaled this iteration, and
+        gradients to check."""
+        it, caps, s = self.it, self.caps, self.s
+        if (id(optimizer) in it.opt_states or s.dev is not None or caps.tracer is not None
+                or it.handout.records_wait or not self.ledger.empty()
+                or getattr(optimizer, "_step_supports_amp_scaling", False)):
+            return self._step(optimizer, args, kwargs)
+        backend = caps.backend
+        pending, grads, _, idle = by_grad(self.optimizer_params(optimizer, backend))
+        if not pending or not self.solo():
+            return self._step(optimizer, args, kwargs)
+        if not (it.handout.handed_blind or it.handout.saw_backward):
+            self.require_scaled("step()")  # raises unless scaled
+        try:
+            flag = backend.unscale_and_check(grads, s.inv(), False)
+        except ValueError:
+            refuse_fp16(caps, grads)
+            raise
+        check = Check(flag, None, None, self.forensics.hook(pending, backend, s.steps + 1))
+        it.add(check)
+        self.record(pending, grads, check, weak=False)  # held until update()
+        state = it.opt_state(optimizer)
+        found = check.verdict(backend.flag_is_set)  # the one sync
+        result = None if found else self.call_step(optimizer, args, kwargs)
+        state.stage = Stage.STEPPED
+        state.checks = [check]
+        return result
+
+    def _step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        state = self.it.opt_state(optimizer)
+        if state.stage is Stage.STEPPED:
+            raise RuntimeError(
+                "step() has already been called since the last update(). Call"
+                " scaler.update() once per iteration, after stepping every optimizer."
+            )
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and \
+                _takes_grad_scaler_kwarg(optimizer.__class__):
+            # The optimizer unscales and checks by itself, asking this scaler.
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the"
+                " passed optimizer. In the near future GradScaler registers `grad_scale:"
+                " Tensor` and `found_inf: Tensor` to the passed optimizer and let the"
+                " optimizer use them directly.",
+                FutureWarning,
+                stacklevel=_user_stacklevel(),
+            )
+            result = optimizer.step(*args, **dict(kwargs, grad_scaler=self.scaler()))
+            state.stage = Stage.STEPPED
+            return result
+        caps = self.caps
+        # A fused optimizer skips on the device by itself; inside a trace the adapter's
+        # device scale skips for any optimizer (_tracing.py).
+        fused = caps.resident is not None and self.steps_on_device(optimizer)
+        on_device = fused or (caps.tracer is not None and caps.traced(self.s, "GradScaler.step()"))
+        params = self.optimizer_params(optimizer, caps.backend)
+        pending, grads, done, idle = self.split(params)
+        if state.stage is Stage.READY and not pending and done and not any(
+                c is k for c in done for k in self.it.checks):
+            # Every gradient was decided by checks that an update() already consumed:
+            # scaler.backward(gm, loss) then step(opt). This step ends that iteration.
+            return self._tail_step(optimizer, done, on_device, args, kwargs)
+        checks = list(state.checks)
+        checks += [c for c in done if all(c is not k for k in checks)]
+        fused_unscale = False
+        agreement = None
+        solo = self.solo()
+        if state.stage is Stage.READY and not pending and idle and not solo:
+            # No gradient here, but another rank may have some: take part in its check.
+            agreement = self.plan([], idle)
+        if state.stage is Stage.READY and (pending or agreement is not None):
+            unscale = True
+            if pending:
+                agreement, unscale = self.scaled_or_idle(pending, idle, "step()", solo)
+                if not solo:
+                    distributed.require_synced(caps.backend, pending, "GradScaler.step()")
+            # A fused optimizer unscales inside its own kernel (grad_scale), as with
+            # torch.amp -- unless some of its gradients were unscaled already.
+            fused_unscale = fused and not done and unscale
+            check = self.check(pending, grads=grads, idle=idle,
+                               agreement=None if solo else agreement or False,
+                               unscale=unscale and not fused_unscale, read=False,
+                               allow_fp16=fused_unscale)
+            if not fused_unscale:
+                # held until update(), which torch.amp's loop calls next
+                self.record(pending, grads, check, weak=False)
+            checks.append(check)
+        if not checks and not fused:
+            raise ScalerStateError(
+                "No inf checks were recorded for this optimizer: none of its parameters"
+                " has a gradient. Run the scaled backward pass before"
+                " scaler.step(optimizer)."
+            )
+        result = self._step_unless_found(optimizer, checks, on_device, fused_unscale,
+                                         args, kwargs)
+        state.stage = Stage.STEPPED
+        state.checks = checks  # every check that decided this step
+        return result
+
+    def _step_unless_found(self, optimizer: Any, checks: list[Check],
+                           on_device: bool, fused_unscale: bool, args: tuple,
+                           kwargs: dict) -> Any:
+        if any(c.found is True for c in checks):
+            return None
+        if on_device:
+            assert self.s.dev is not None  # steps_on_device() or traced() made it
+            resident = self.caps.resident
+            if resident is not None and resident.skip_leaves_uninitialised_state(optimizer):
+                # Skipped on the device, this step would leave state that the next one
+                # reads uninitialised (torch's fused SGD before its first step: torch.amp
+                # inherits it). Read the verdict and skip here, as the stock optimizer is
+                # skipped: one host read, only until a step is taken.
+                read = self.backend.flag_is_set
+                if any(c.verdict(read) for c in checks if c.flag is not None):
+                    return None
+            return self.s.dev.step(optimizer, fused_unscale,
+                                   [c.ready() for c in checks if c.flag is not None],
+                                   args, kwargs)
+        read = self.backend.flag_is_set
+        if any(c.verdict(read) for c in checks):  # the one sync per step
+            return None
+        return self.call_step(optimizer, args, kwargs)
+
+    def _tail_step(self, optimizer: Any, checks: list[Check], on_device: bool,
+                   args: tuple, kwargs: dict) -> Any:
+        previous = self.tail.get(id(optimizer))
+        if previous is not None and len(previous) == len(checks) and all(
+                any(c is k for k in previous) for c in checks):
+            raise RuntimeError(
+                "step() has already been called on these gradients: scaler.backward(gm,"
+                " loss) unscaled them and called update(), and scaler.step(optimizer)"
+                " then stepped them once. Run the next backward pass first."
+            )
+        self.tail[id(optimizer)] = checks
+        return self._step_unless_found(optimizer, checks, on_device, False, args, kwargs)
+
     def steps_on_device(self, optimizer: Any) -> bool:
         resident = self.caps.resident
         if resident is None or not resident.steps_on_device(optimizer):
@@ -372,57 +497,3 @@ class ScalerMachine:
         if s.dev is None:
             s.dev = resident.device_scale(optimizer, s.value, s.tracker, s.skipped_steps)
         return True
-
-    # -- the end of an iteration ----------------------------------------------------------------
-    def update(self, new_scale: Any) -> None:
-        if new_scale is not None:
-            self.refuse_in_trace("GradScaler.update(new_scale=...)", "write")
-        if self.caps.tracer is not None:
-            self.traced("GradScaler.update()")
-        self.finish(new_scale)
-        self.ledger.new_iteration()
-
-    def finish(self, new_scale: Any) -> None:
-        if new_scale is not None:
-            new_scale = valid_scale(new_scale, "update(new_scale=...)", self.be)
-        it = self.it
-        checks, checked = it.checks, it.checked()
-        if new_scale is None and not checked:
-            raise self._nothing_checked()
-        s = self.s
-        if s.dev is not None:
-            if checked:
-                s.steps += 1
-            found_host = bool(it.folded_found) or any(c.found is True for c in checks)
-            flags = [c.ready() for c in checks if c.found is None]
-            for c in checks:
-                c.on_overflow = None  # never read on the host, so never reported
-            s.dev.update(found_host, flags, s.growth_factor, s.backoff_factor,
-                         s.growth_interval, steps=s.steps, count=checked,
-                         new_scale=new_scale)
-        else:
-            read = self.backend.flag_is_set
-            found = bool(it.folded_found)
-            for c in checks:  # every verdict read: each check's report must run
-                if c.verdict(read):
-                    found = True
-            if new_scale is None:
-                s.advance(found, checked)
-            else:
-                s.value = new_scale
-                if checked:
-                    s.count(found)
-            if checked:
-                self.forensics.counted(found, s.value, s.steps)
-        self.updated_by_backward = False
-        self.it = Iteration()
-        self.forensics.end_iteration()
-
-    def _nothing_checked(self) -> ScalerStateError:
-        hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"
-                " called update(); drop this update() call, or pass"
-                " backward(..., update_scale=False) to update yourself."
-                if self.updated_by_backward else
-                " Call scaler.step(optimizer), scaler.unscale_(optimizer) or"
-                " scaler.unscale(gm) first, or pass update(new_scale=...).")
-        return ScalerStateError("No inf checks were recorded prior to update()." + hint)
