@@ -24,9 +24,10 @@ __all__: list[str] = []
 
 
 def scale(m: ScalerMachine, outputs: Any) -> Any:
+    """``scaler.scale(outputs)``: a tensor, or any nesting of them, times the scale."""
     caps = m.caps
     if caps.tracer is not None:
-        m.caps.traced(m.s, "GradScaler.scale()")
+        caps.traced(m.s, "GradScaler.scale()")
     if not caps.backend.is_tensor(outputs):
         m.forensics.saw_loss(outputs)
         return _scaled(m, outputs, "outputs", caps)
@@ -111,12 +112,14 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
 
 
 def _backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
-             update_scale: bool) -> None:
+              update_scale: bool) -> None:
+    """``scaler.backward(gm, y, dy)``'s general path: any ``dy``, a trace, the scale on
+    the device, several ranks, ``unscale_grad``/``update_scale`` off."""
     caps = m.caps
     if caps.tracer is not None:
         if unscale_grad:
             m.refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
-        m.caps.traced(m.s, "GradScaler.backward(gm, loss, unscale_grad=False)")
+        caps.traced(m.s, "GradScaler.backward(gm, loss, unscale_grad=False)")
     ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
     _foreign.require_tensors(caps.backend, ys, "GradScaler.backward(gm, y)",
                              "Pass the loss (or outputs) the forward pass recorded.")
@@ -219,14 +222,18 @@ def unscale(m: ScalerMachine, target: Any, what: str, drop: bool,
 
 # -- the end of an iteration ----------------------------------------------------------------
 def update(m: ScalerMachine, new_scale: Any) -> None:
+    """``scaler.update(new_scale)``: ends the iteration and the ledger's records."""
     if new_scale is not None:
         m.refuse_in_trace("GradScaler.update(new_scale=...)", "write")
     if m.caps.tracer is not None:
-        m.caps.traced(m.s, "GradScaler.update()")
+        m.caps.traced(m.s, "GradScaler.update()")  # (the scale stays on the device)
     finish(m, new_scale)
     m.ledger.new_iteration()
 
+
 def finish(m: ScalerMachine, new_scale: Any) -> None:
+    """Counts this iteration's checks (every verdict read, so each report runs), moves
+    the scale by the rule (or sets ``new_scale``) and starts a new ``Iteration``."""
     if new_scale is not None:
         new_scale = valid_scale(new_scale, "update(new_scale=...)", m.be)
     it = m.it
@@ -260,6 +267,7 @@ def finish(m: ScalerMachine, new_scale: Any) -> None:
             m.forensics.counted(found, s.value, s.steps)
     m.updated_by_backward = False
     m.new_iteration()
+
 
 def _nothing_checked(m: ScalerMachine) -> ScalerStateError:
     hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"
