@@ -20,7 +20,7 @@ first installed of torch, megengine. Importing this package imports no framework
 
 from ._registry import available_backends, get_backend, register_backend, set_backend
 from .autocast import autocast, is_autocast_enabled
-from .cast_registry import (
+from .apex.cast_registry import (
     register_float_function,
     register_half_function,
     register_promote_function,
@@ -38,7 +38,7 @@ from .errors import (
 )
 from .forensics import OverflowReport, OverflowWarning, trace_forward
 from .grad import GradManager, clip_grad_norm
-from .opt_levels import (
+from .apex.opt_levels import (
     OptProperties,
     initialize,
     load_state_dict,
@@ -50,6 +50,9 @@ from .opt_levels import (
 )
 from .pinning import keep_float32
 from .scaler import GradScaler
+
+# The modules' paths before apex/ was a package: `from unified_amp import opt_levels`.
+from .apex import cast_registry, opt_levels  # noqa: F401
 
 __version__ = "0.2.0"
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ._ledger import Check
 from .interface import Collectives, DataParallelHooks, capability
 
 __all__: list[str] = []
@@ -70,15 +69,15 @@ class Agreement:
         self.group = group
         self.standins = standins
 
-    def check(self, flag: Any, params: list[Any]) -> Check:
-        """A Check for ``flag`` (None: this rank had nothing to check), with the
-        all-reduce started; nothing is read on the host."""
+    def reduce(self, flag: Any, params: list[Any]) -> tuple[Any, Any]:
+        """The agreed flag for ``flag`` (None: this rank had nothing to check) and the
+        handle of the all-reduce still running on it (None: nothing to wait for), for
+        the scaler's Check; nothing is read on the host."""
         if self.group is None:
-            return Check(None, False) if flag is None else Check(flag, None)
+            return flag, None
         if flag is None:
             flag = self.backend.clean_flag(params, self.group)
-        flag, handle = self.backend.all_reduce_max_async(flag, self.group)
-        return Check(flag, None, handle)
+        return self.backend.all_reduce_max_async(flag, self.group)
 
 
 def plan(backend: Any, params: list[Any], idle: list[Any], group: Any) -> Agreement | None:

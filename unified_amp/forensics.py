@@ -24,7 +24,7 @@ Each trace keeps its own flags; each GradScaler reads those recorded since its o
 ``update()``, and flags are dropped only once every live scaler has passed them, so two
 scalers in one process never clear or read each other's. This module holds the reports
 and the tracing; one scaler's side (its hook, history and warning state) is
-``_scaler_forensics.py``.
+``scaler/_forensics.py``.
 
 Reports read the same on both backends: parameter names are the frameworks' dotted
 module paths (the same for the same model), sorted, and the wording is fixed here.

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import _tracing, distributed
 from ._registry import get_backend
-from ._targets import params_of
+from .scaler._targets import params_of
 from .interface import DataParallelHooks, capability
 
 __all__ = ["GradManager", "clip_grad_norm"]

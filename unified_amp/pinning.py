@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _amp_state, _foreign
+from .apex import _state as _amp_state
+from . import _foreign
 from ._casting import _cast_tree
 from .interface import LOW_PRECISION
 from ._registry import get_backend

@@ -1,7 +1,7 @@
 """Opt-level casting (amp.initialize): module casts, master weights, gradient copies.
 
 The policy (which level casts what, when masters are stepped) is the core's
-(unified_amp/opt_levels.py); these are its primitives on MegEngine's ops.
+(unified_amp/apex/opt_levels.py); these are its primitives on MegEngine's ops.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Opt-level casting (amp.initialize): module casts, master weights, gradient copies.
 
 The policy (which level casts what, when masters are stepped) is the core's
-(unified_amp/opt_levels.py); these are its primitives on torch's kernels.
+(unified_amp/apex/opt_levels.py); these are its primitives on torch's kernels.
 """
 
 from __future__ import annotations

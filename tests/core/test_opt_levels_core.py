@@ -368,7 +368,7 @@ def test_o2_checkpoint_carries_the_masters(fake):
     step(model, opt, x=(0.3, 0.7))
     saved_opt, saved_amp = opt.state_dict(), amp.state_dict()
     (master,) = amp.master_params(opt)
-    assert saved_opt[opt_levels._amp_patch.MASTER_KEY][0].values == master.values
+    assert saved_opt[opt_levels._patch.MASTER_KEY][0].values == master.values
 
     model2, opt2 = make(fake, values=[(5.0, 5.0)])
     amp.initialize(model2, opt2, opt_level="O2")
@@ -380,7 +380,7 @@ def test_o2_checkpoint_carries_the_masters(fake):
     assert opt2.state == {master2: 1}
     with pytest.raises(ValueError, match="holds 2 master weights, this optimizer 1"):
         opt2.load_state_dict(dict(saved_opt, **{
-            opt_levels._amp_patch.MASTER_KEY: [master, master]}))
+            opt_levels._patch.MASTER_KEY: [master, master]}))
 
 
 def test_o2_checkpoint_without_masters_starts_them_from_the_model(fake):

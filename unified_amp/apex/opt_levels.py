@@ -4,7 +4,7 @@ An opt level is a configuration of the same core: ``autocast`` for the forward p
 one ``GradScaler`` per ``loss_id``, and (O2, and O3 on MegEngine) float32 master
 weights that the optimizer steps. The frameworks' part is a handful of adapter
 primitives (cast a module, copy grads to the masters, copy the masters back);
-everything about *when* lives here and in ``_amp_patch.py``.
+everything about *when* lives here and in ``_patch.py``.
 
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
     loss = loss_fn(model(x), y)
@@ -13,7 +13,7 @@ everything about *when* lives here and in ``_amp_patch.py``.
     optimizer.step()                        # skipped after an overflow
 
 docs/APEX.md has the table of what each level does on each backend; the presets and the
-resolution of the overrides are _opt_presets.py.
+resolution of the overrides are _presets.py.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _amp_patch, _amp_stale, _amp_state
-from ._opt_presets import OptProperties, resolve_properties
-from ._registry import get_backend
-from ._targets import is_optimizer
-from .interface import LOW_PRECISION
-from .scaler import GradScaler
+from . import _patch, _stale, _state
+from ._presets import OptProperties, resolve_properties
+from .._registry import get_backend
+from ..scaler._targets import is_optimizer
+from ..interface import LOW_PRECISION
+from ..scaler._grad_scaler import GradScaler
 
 __all__ = [
     "OptProperties",
@@ -55,7 +55,7 @@ class _AmpState:
         self.backend = get_backend()
         # Each prepared optimizer's _OptimizerAmp, in order, and the models (to name
         # parameters in errors): weakly, since the models and optimizers are what keep
-        # this state alive (_amp_state.remember).
+        # this state alive (_state.remember).
         self._infos: list[Callable[[], Any]] = []
         self._models: list[Callable[[], Any]] = []
         # id(model parameter) -> its master weight (O2), for amp.keep_float32 after
@@ -114,7 +114,7 @@ class _AmpState:
 def latest() -> _AmpState | None:
     """The state of the latest ``initialize()`` call whose models or optimizers are
     still alive, or None."""
-    return _amp_state.latest()
+    return _state.latest()
 
 
 def _current(what: str) -> _AmpState:
@@ -198,9 +198,9 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
             if opts_was_list else opt_list[0]
         return m, o
 
-    _amp_patch.check_fresh(model_list, opt_list)
+    _patch.check_fresh(model_list, opt_list)
     if not enabled:
-        _amp_state.remember(_AmpState(None, num_losses), model_list + opt_list)
+        _state.remember(_AmpState(None, num_losses), model_list + opt_list)
         return result()
 
     params = [p for m in model_list for p in m.parameters()]
@@ -219,8 +219,8 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, low_dtype=low_dtype)
     state = _AmpState(props, num_losses)
     state.set_models(model_list)
-    _amp_patch.prepare(state, model_list, opt_list)
-    _amp_state.remember(state, model_list + opt_list)
+    _patch.prepare(state, model_list, opt_list)
+    _state.remember(state, model_list + opt_list)
     return result()
 
 
@@ -264,10 +264,10 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     latest_state = latest()
     if latest_state is not None and latest_state.props is None and not any(
-            _amp_patch.info_of(o) for o in opts):
+            _patch.info_of(o) for o in opts):
         yield loss  # initialize(enabled=False)
         return
-    state = _amp_patch.state_of(opts, latest_state)
+    state = _patch.state_of(opts, latest_state)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int):
         raise TypeError(f"amp.scale_loss loss_id must be an int; got {loss_id!r}.")
     if not 0 <= loss_id < len(state.scalers):
@@ -276,7 +276,7 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
             f" with num_losses={len(state.scalers)}, so loss_id must be in"
             f" 0..{len(state.scalers) - 1}.")
     # state_of() above raised for any optimizer initialize() did not prepare.
-    infos = [info for opt in opts if (info := _amp_patch.info_of(opt)) is not None]
+    infos = [info for opt in opts if (info := _patch.info_of(opt)) is not None]
     backend = state.backend
     scaler = state.scalers[loss_id]
     if not state.props.scales_loss:
@@ -284,18 +284,18 @@ def scale_loss(loss: Any, optimizers: Any, loss_id: int = 0,
         return
     what = f"amp.scale_loss(loss, ..., loss_id={loss_id})"
     for info in infos:
-        _amp_stale.refuse(info, what)
+        _stale.refuse(info, what)
     for info in infos:
         info.begin_pass(loss_id)
     # the others' gradients before the backward, to see which of them it scales
-    others = _amp_stale.snapshot([i for i in state.infos if all(i is not k for k in infos)])
+    others = _stale.snapshot([i for i in state.infos if all(i is not k for k in infos)])
     try:
         yield scaler.scale(backend.cast(loss, "float32"))
     except BaseException:
         for info in infos:
             info.abort_pass()
         raise
-    _amp_stale.note_block(others, loss_id)
+    _stale.note_block(others, loss_id)
     if delay_unscale:
         for info in infos:
             info.scaled_by = loss_id

@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .autocast import _normalize_dtype
-from .errors import UnsupportedPrecisionError
-from .interface import LOW_PRECISION
+from ..autocast import _normalize_dtype
+from ..errors import UnsupportedPrecisionError
+from ..interface import LOW_PRECISION
 
 __all__ = ["OptProperties", "OPT_LEVELS", "resolve_properties"]
 

@@ -17,10 +17,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from . import _tracing
+from .. import _tracing
 from ._ledger import _no_version
 from ._scale_rule import check_factors, f32, next_scale
-from .interface import (BackwardProbes, Collectives, DeviceResident, DeviceScale,
+from ..interface import (BackwardProbes, Collectives, DeviceResident, DeviceScale,
                         GradVersions, Tracing, capability)
 
 __all__: list[str] = []
@@ -44,18 +44,14 @@ class Caps:
         self.collectives = capability(backend, Collectives)
         self.fp16: dict[Any, bool] = {}  # dtype -> whether it is float16 (asked once)
 
-    def refuse_fp16(self, grads: list[Any]) -> None:
-        """Raises torch.amp's ValueError if a gradient is float16."""
-        for dtype in {g.dtype for g in grads}:
-            known = self.fp16.get(dtype)
-            if known is None:
-                known = self.fp16[dtype] = self.backend.dtype_name(dtype) == "float16"
-            if known:
-                raise ValueError(
-                    "Attempting to unscale FP16 gradients. GradScaler needs float32"
-                    " parameters (and so float32 gradients): keep the model in float32"
-                    " and let autocast run the low-precision ops."
-                )
+    def traced(self, s: ScaleState, what: str) -> bool:
+        """Whether ``what`` runs inside a trace, raising where it cannot run there as it
+        does eagerly (then the scale stays on the device: ScaleState.enter_trace)."""
+        tracer = self.tracer
+        if tracer is None or tracer.trace_mode() is None:
+            return False
+        s.enter_trace(tracer, what)
+        return True
 
 
 class ScaleState:

@@ -13,8 +13,8 @@ import operator
 import weakref
 from typing import Any, Callable
 
-from . import _foreign
-from ._foreign import _short, hint
+from .. import _foreign
+from .._foreign import _short, hint
 
 _is_not_none = functools.partial(operator.is_not, None)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._ledger import Check
-from .interface import DeviceScale
+from ._machine import Check
+from ..interface import DeviceScale
 
 __all__ = ["AdapterView"]
 

@@ -15,7 +15,7 @@ keeps its native behaviour:
   flag at once and, on an overflow, drop the gradients they checked (``.grad = None``),
   so that any optimizer step, the optimizer's own included, leaves the weights alone.
 
-Both forms share the ledger (``_ledger.py``), so they compose: ``backward(gm, loss)``
+Both forms share the ledger (``scaler/_ledger.py``), so they compose: ``backward(gm, loss)``
 then ``step(optimizer)`` neither unscales twice nor forgets the verdict.
 
 One exception to "state on the host", for optimizers that skip a step on the device by
@@ -26,10 +26,10 @@ sync at all. The stage logic is the same in both modes; only where the arithmeti
 differs.
 
 Where the parts live: this module has the public class, which holds its state machine
-(``self._m``, a ``ScalerMachine``: _scaler_machine.py) and delegates to it;
-``_scaler_state.py`` has the numbers (scale, tracker, telemetry) and checkpoints,
-``_scaler_iteration.py`` what one iteration records, ``_scale_rule.py`` the scale rule
-and the checks of its numbers, ``_call_forms.py`` the constructor's two call forms.
+(``self._m``, a ``ScalerMachine``: _machine.py, with what one iteration records and
+``step``; _scaling.py has the other calls on it) and delegates to it; ``_state.py`` has
+the numbers (scale, tracker, telemetry) and checkpoints, ``_scale_rule.py`` the scale
+rule and the checks of its numbers, ``_call_forms.py`` the constructor's two call forms.
 """
 
 from __future__ import annotations
@@ -38,17 +38,18 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
-from . import _scaler_step, _tracing, distributed
+from . import _scaling
+from .. import _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
-from ._registry import get_backend
+from .._registry import get_backend
 from ._scale_rule import check_factors, next_scale, valid_scale
-from ._scaler_machine import ScalerMachine
-from ._scaler_state import ScaleState
+from ._machine import ScalerMachine
+from ._state import ScaleState
 from ._targets import is_optimizer
-from .errors import ScalerStateError
-from .forensics import OverflowReport
-from .interface import NativeScalerClass, capability
+from ..errors import ScalerStateError
+from ..forensics import OverflowReport
+from ..interface import NativeScalerClass, capability
 
 __all__ = ["GradScaler", "AdapterView", "next_scale"]
 
@@ -107,6 +108,8 @@ class GradScaler:
 
     # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
     __signature__ = UNIFIED_SIG
+    __module__ = "unified_amp.scaler"  # the path pickles name, as before scaler/ was a package
+    _m: ScalerMachine  # the state machine this scaler holds and delegates to
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GradScaler":
         if cls is GradScaler:
@@ -157,7 +160,7 @@ class GradScaler:
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or a list/tuple of tensors) times the current scale."""
         m = self._m
-        return m.scale(outputs) if m.enabled else outputs
+        return _scaling.scale(m, outputs) if m.enabled else outputs
 
     def backward(self, gm: Any, y: Any = None, dy: Any = None, *,
                  unscale_grad: bool = True, update_scale: bool = True) -> None:
@@ -184,7 +187,7 @@ class GradScaler:
                 f" MegEngine's own) as its first argument; got {type(gm).__name__}{hint}."
             )
         if self._m.enabled:
-            _scaler_step.backward(self._m, gm, y, dy, unscale_grad, update_scale)
+            _scaling.backward(self._m, gm, y, dy, unscale_grad, update_scale)
         else:
             gm.backward(y, dy)
 
@@ -205,7 +208,7 @@ class GradScaler:
         m = self._m
         if m.enabled:
             m.refuse_in_trace("GradScaler.unscale()", "unscale")
-            m.unscale(target, "unscale()", True)
+            _scaling.unscale(m, target, "unscale()", True)
         return self
 
     def unscale_(self, optimizer: Any) -> None:
@@ -220,8 +223,8 @@ class GradScaler:
         """
         m = self._m
         if m.enabled:
-            m.traced("GradScaler.unscale_()")
-            m.unscale(optimizer, "unscale_()", False)
+            m.caps.traced(m.s, "GradScaler.unscale_()")
+            _scaling.unscale(m, optimizer, "unscale_()", False)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscales ``optimizer``'s gradients if not yet done, then steps it unless an
@@ -237,15 +240,14 @@ class GradScaler:
         if not self._m.enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError(
-                "Closure use is not currently supported if GradScaler is enabled."
-            )
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if not is_optimizer(optimizer):
             raise TypeError(
                 f"GradScaler.step() expects an optimizer (an object with param_groups and"
                 f" step()); got {type(optimizer).__name__}."
             )
-        return _scaler_step.step(self._m, optimizer, args, kwargs)
+        m: ScalerMachine = self._m
+        return m.step(optimizer, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the
@@ -260,7 +262,7 @@ class GradScaler:
                 new_scale).
         """
         if self._m.enabled:
-            self._m.update(new_scale)
+            _scaling.update(self._m, new_scale)
 
     # -- inspection and settings --------------------------------------------------------------
     @property
@@ -285,7 +287,7 @@ class GradScaler:
         it as ``dy`` to ``gm.backward``)."""
         m = self._m
         m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
-        m.it.handed(None)
+        m.it.handout.handed(None)
         return self.get_scale()
 
     @scale_factor.setter

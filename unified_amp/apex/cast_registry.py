@@ -27,11 +27,11 @@ import sys
 import types
 from typing import Any, Callable
 
-from . import _amp_state
-from ._casting import _cast_tree
-from .interface import LOW_PRECISION
-from ._registry import get_backend
-from .autocast import autocast
+from . import _state
+from .._casting import _cast_tree
+from ..interface import LOW_PRECISION
+from .._registry import get_backend
+from ..autocast import autocast
 
 __all__ = ["register_float_function", "register_half_function",
            "register_promote_function"]
@@ -158,7 +158,7 @@ def _resolve(namespace: Any, name: Any, caller: str) -> tuple[Any, Callable[...,
 
 
 def _check_not_initialized(caller: str, namespace: Any, name: str) -> None:
-    state = _amp_state.latest()
+    state = _state.latest()
     if state is not None and state.props is not None:
         raise RuntimeError(
             f"amp.{caller}({getattr(namespace, '__name__', namespace)!r}, {name!r}) was"

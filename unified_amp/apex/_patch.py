@@ -22,11 +22,11 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from . import _amp_stale
-from .interface import LOW_PRECISION
-from ._registry import get_backend
-from ._casting import _cast_tree
-from .autocast import autocast
+from . import _stale
+from ..interface import LOW_PRECISION
+from .._registry import get_backend
+from .._casting import _cast_tree
+from ..autocast import autocast
 
 MASTER_KEY = "unified_amp_master_weights"  # the optimizer state_dict entry (O2)
 _MODEL_ATTR = "_unified_amp_forward"
@@ -59,7 +59,7 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
             if id(p) not in snapshots and backend.dtype_name(p.dtype) == "float32":
                 snapshots[id(p)] = backend.master_copy(p)
     if props.casts_model:
-        from .pinning import pinned_modules  # (pinning imports this module)
+        from ..pinning import pinned_modules  # (pinning imports this module)
 
         for model in models:
             # Modules pinned by amp.keep_float32 keep float32 weights, and need no masters.
@@ -180,8 +180,8 @@ class _OptimizerAmp:
         self.scaled_by: int | None = None  # loss_id of gradients left scaled (delay_unscale)
         self.stash: tuple[list[Any], list[Any]] | None = None
         self._started = False
-        # gradients another loss's block scaled and nothing will unscale (_amp_stale.py)
-        self.stale = _amp_stale.StaleGrads(self.backend)
+        # gradients another loss's block scaled and nothing will unscale (_stale.py)
+        self.stale = _stale.StaleGrads(self.backend)
 
     def params(self) -> list[Any]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -249,7 +249,7 @@ def _amp_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         info.skip_next = False
         backend.drop_grads(info.params())
         return backend.skipped_step_result(optimizer)
-    _amp_stale.refuse(info, "optimizer.step()")
+    _stale.refuse(info, "optimizer.step()")
     result = info.inner_step(*args, **kwargs)
     if info.masters:
         backend.copy_params(info.model_params, info.masters)

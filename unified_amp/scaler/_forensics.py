@@ -15,10 +15,10 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
-from . import _foreign
-from . import forensics as tracing
-from ._registry import get_backend
-from .forensics import BadGradient, OverflowReport, OverflowWarning, _ref
+from .. import _foreign
+from .. import forensics as tracing
+from .._registry import get_backend
+from ..forensics import BadGradient, OverflowReport, OverflowWarning, _ref
 
 __all__: list[str] = []
 
@@ -55,7 +55,7 @@ class Forensics:
     The scaler hands it what a report needs (the adapter, the step number) with each
     hook; it asks the scaler's state machine for the scale and for how many checks
     found an inf/NaN since the last ``update()`` (``current_scale()``,
-    ``overflows_since_update()``).
+    ``it.overflows()``).
     """
 
     def __init__(self, machine: Any, enabled: bool) -> None:
@@ -171,7 +171,7 @@ class Forensics:
             step=step, scale=scaler.current_scale(), loss=loss_value,
             checked=len(with_grad), gradients=tuple(bad), traced=traced,
             first_nonfinite=first, bad_samples=samples, forward_in_trace=unseen,
-            overflows_since_update=scaler.overflows_since_update())
+            overflows_since_update=scaler.it.overflows())
         self.last = report
         if self.history.maxlen:
             self.history.append(report)

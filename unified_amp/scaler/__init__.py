@@ -1,0 +1,40 @@
+"""GradScaler: the public class, and the state machine it holds.
+
+Read in this order:
+
+- ``_grad_scaler.py``  ``GradScaler``: the call forms of torch.amp and megengine.amp,
+  argument checks, checkpoints; every operation goes to the machine it holds.
+- ``_machine.py``      ``ScalerMachine``: the state machine -- what one iteration
+  records (each optimizer's stage, every check), the fused check, and ``step`` written
+  top to bottom; ``_scaling.py`` has its other calls (``scale``, ``backward(gm, loss)``,
+  ``unscale``, ``update``).
+- the parts the machine holds: ``_state.py`` (the scale and its telemetry),
+  ``_scale_rule.py`` (the growth/backoff rule), ``_ledger.py`` (which gradient
+  generations were unscaled, by which check), ``_handout.py`` (how the scale went out),
+  ``_targets.py`` (the parameters of an optimizer, module or list) and ``_forensics.py``
+  (overflow reports);
+- beside the class: ``_call_forms.py`` (torch.amp's and megengine.amp's signatures) and
+  ``_adapter_view.py`` (what an adapter's subclass may read).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._adapter_view import AdapterView
+    from ._grad_scaler import GradScaler
+
+__all__ = ["AdapterView", "GradScaler"]
+
+
+def __getattr__(name: str) -> Any:
+    # Made on first use: the framework-free modules below the scaler (_tracing.py) use
+    # its scale rule while unified_amp itself is still being imported.
+    if name == "GradScaler":
+        from ._grad_scaler import GradScaler
+        return GradScaler
+    if name == "AdapterView":
+        from ._adapter_view import AdapterView
+        return AdapterView
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
