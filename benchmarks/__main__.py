@@ -14,6 +14,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from . import results_format
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,11 @@ def run_section(name: str, section_name: str, section: Section, quick: bool,
         found = {p.stem: p for p in sorted(Path(scratch).glob("*.json"))}
         if not found:
             raise RuntimeError(f"{section.module} wrote no JSON result")
-        raws = {stem: json.loads(p.read_text()) for stem, p in found.items()}
+        # The scripts record where they wrote (their --out, a scratch folder here): say
+        # where the result went instead, so no path of this machine is saved.
+        shown = os.path.relpath(out, ROOT) if out.resolve().is_relative_to(ROOT) else "<out>"
+        raws = {stem: json.loads(_replace(p.read_text(), scratch, shown))
+                for stem, p in found.items()}
         raw = next(iter(raws.values())) if len(raws) == 1 else raws
         device = _device(raw)
         result = results_format.record(name, section_name, backend, device, command, quick,
@@ -163,6 +169,12 @@ def run_section(name: str, section_name: str, section: Section, quick: bool,
             shutil.copy(png, path.with_suffix(".png") if len(found) == 1
                         else path.with_name(f"{path.stem}-{png.stem}.png"))
     return path
+
+
+def _replace(text: str, scratch: str, shown: str) -> str:
+    for folder in {str(Path(scratch).resolve()), scratch}:
+        text = text.replace(json.dumps(folder)[1:-1], shown)
+    return text
 
 
 def _device(raw: dict) -> str:

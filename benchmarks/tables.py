@@ -18,9 +18,9 @@ BEGIN = "<!-- generated tables: python -m benchmarks report (edits here are over
 END = "<!-- end of generated tables -->"
 # The rows a benchmark's table shows (its JSON keeps all of them): names containing one
 # of these words; everything else (per-variant step times, ...) stays in the JSON.
-SHOWN = {"overhead": ("ratio", "share", "us_per_call"), "compile": ("ratio",),
+SHOWN = {"throughput": ("samples_per_s", "bytes_vs_O0", "peak_memory", "ratio"),
+         "overhead": ("ratio", "share", "us_per_call"), "compile": ("ratio",),
          "trace": ("ratio",), "real-models": ("ratio",),
-         "throughput": ("samples_per_s", "bytes_vs_O0", "peak_memory"),
          "cifar": ("throughput", "samples_per_s", "accuracy", "weights")}
 
 
@@ -54,13 +54,16 @@ def table(result: dict[str, Any]) -> str:
     """One result as a markdown table with the command and conditions above it."""
     words = SHOWN.get(result["benchmark"], ())
     shown = [r for r in result["rows"] if not words or any(w in r["name"] for w in words)]
-    v = result["versions"]
-    load = result.get("machine", {}).get("load_average") or []
+    v, machine = result["versions"], result.get("machine", {})
+    known = [f"unified_amp {v.get('unified_amp')}"]
+    if v.get("python", "unknown") != "unknown":
+        known.append(f"CPython {v['python']}")
+    if machine.get("load_average"):
+        cpus = f" on {machine['cpus']} CPUs" if machine.get("cpus") else ""
+        known.append(f"load average {machine['load_average'][0]}{cpus}")
     head = (f"### {result['benchmark']} / {result['section']}: {result['backend']}"
             f" {v.get(result['backend'], '?')}, {result['device']}\n\n"
-            f"`{result['command']}` on {result['date'][:10]} (unified_amp"
-            f" {v.get('unified_amp', '?')}, CPython {v.get('python', '?')}, load average"
-            f" {load[0] if load else 'n/a'} on {result.get('machine', {}).get('cpus')} CPUs)."
+            f"`{result['command']}` on {result['date'][:10]} ({', '.join(known)})."
             f" Median of per-round figures, quartiles, rounds.\n\n")
     lines = ["| figure | median | quartiles | n |", "|---|---|---|---|"]
     for r in shown:

@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def check_shape(result, name, backend):
     datetime.strptime(result["date"], "%Y-%m-%dT%H:%M:%SZ")
     assert set(result["versions"]) == {"python", "unified_amp", backend}
     assert result["versions"][backend][0].isdigit(), result["versions"]
+    # the scripts wrote into a scratch folder; no path of this machine is saved
+    assert tempfile.gettempdir() + os.sep not in json.dumps(result["raw"])
     names = [r["name"] for r in result["rows"]]
     assert names and len(names) == len(set(names)), names
     for row in result["rows"]:
