@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import unified_amp as amp
+from benchmarks import __main__ as bench_cli
 from benchmarks import results_format, tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,23 +105,34 @@ def test_quick_throughput_benchmark(tmp_path):
         "value"] == 1.25
 
 
+class Sections(dict):
+    """The overhead benchmark's quick results by section, each section run on first use
+    (one `python -m benchmarks overhead --quick --sections S` per section: all at once
+    would outlast one test's time limit on a loaded 2-core machine)."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, section):
+        self.update(run_benchmark("overhead", self.folder, "--sections", section))
+        return self[section]
+
+
 @pytest.fixture(scope="module")
-def overhead_run(tmp_path_factory):
-    """One quick run of every overhead section on this backend (the slow part): the
-    folder it wrote, and its results by section."""
-    folder = tmp_path_factory.mktemp("overhead")
-    return folder, run_benchmark("overhead", folder)
+def overhead(tmp_path_factory):
+    return Sections(tmp_path_factory.mktemp("overhead"))
 
 
-@pytest.fixture
-def overhead(overhead_run):
-    return overhead_run[1]
-
-
-def test_overhead_runs_its_sections_on_this_backend(overhead):
+def test_overhead_sections_on_this_backend():
     backend = amp.get_backend().name
-    assert set(overhead) == {"step", "workloads", "host", "parts", "pinning",
-                             *(("mode",) if backend == "torch" else ())}
+    wanted = bench_cli.sections_of("overhead", None)
+    assert [name for name, _ in bench_cli.plan("overhead", wanted, backend)] == [
+        "step", "workloads", "host", "parts", *(("mode",) if backend == "torch" else ()),
+        "pinning"]
+
+
+def test_overhead_pinning_section(overhead):
     pinning = {r["name"] for r in overhead["pinning"]["rows"]}
     assert {"ratios / keep_float32/by_hand", "ratios / keep_float32/unpinned"} <= pinning
 
@@ -179,14 +191,14 @@ def test_overhead_mode_section_times_each_variant(overhead):
     assert all(v["median"] > 0 and v["n"] == 3 for v in result["us_per_call"].values())
 
 
-def test_overhead_host_section_times_each_variant_beside_a_control(overhead_run):
+def test_overhead_host_section_times_each_variant_beside_a_control(overhead):
     """The overhead's host section on this backend: for every point, the native scaler,
     the unified one and a second native one (the control) timed in the same rounds, and
     both ratios saved with the plot."""
     backend = amp.get_backend().name
-    folder, overhead = overhead_run
     result = overhead["host"]["raw"]
-    assert (folder / f"overhead-host-{backend}-cpu-quick.png").stat().st_size > 10_000
+    png = overhead.folder / f"overhead-host-{backend}-cpu-quick.png"
+    assert png.stat().st_size > 10_000
     points = [v for by_n in result["loops"].values() for v in by_n.values()]
     points += [result["mlp_6x256"]] if backend == "torch" else []
     assert len(points) == 4 + (backend == "torch")
