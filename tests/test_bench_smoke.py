@@ -19,6 +19,9 @@ from benchmarks import __main__ as bench_cli
 from benchmarks import results_format, tables
 
 ROOT = Path(__file__).resolve().parents[1]
+# Each test runs a benchmark in a subprocess (which has its own 600 s limit); on a loaded
+# 2-core machine a quick compile or step section took over the suite's 300 s.
+pytestmark = pytest.mark.timeout(900)
 
 
 def cli(*args, backend=None):
