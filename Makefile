@@ -22,7 +22,9 @@
 #                              (default torch); writes demo-output/<backend>-curves.png
 #                              (DEMO_ARGS="--plant overflow" plants an overflow and prints
 #                              why the step was skipped)
-#   make bench                 the benchmark CLI on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick)
+#   make bench NAME=overhead   a named benchmark on $UNIFIED_AMP_BACKEND (BENCH_ARGS=--quick;
+#                              no NAME: the list); NAME=report writes docs/BENCHMARKS.md's
+#                              tables from benchmarks/results (docs/BENCHMARKS.md)
 #   make cifar                 ResNet on CIFAR-10, fp32 vs AMP, on $UNIFIED_AMP_BACKEND
 #                              (docs/CIFAR.md): CIFAR_ARGS="--data DIR" reads the data set;
 #                              CIFAR_ARGS="--synthetic 960 --model resnet18 --width 8" needs none
@@ -261,7 +263,7 @@ demo: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
 	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m examples.cnn_classifier --demo --plot demo-output/$(BACKEND)-curves.png $(DEMO_ARGS)
 
 bench: $(if $(BAD_BACKEND),unknown-backend,$(VENV_$(BACKEND))/.ready)
-	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m benchmarks.bench $(BENCH_ARGS)
+	UNIFIED_AMP_BACKEND=$(BACKEND) MEGENGINE_LOGGING_LEVEL=ERROR $(VENV_$(BACKEND))/bin/python -m benchmarks $(NAME) $(BENCH_ARGS)
 
 # No data set is downloaded: without --data or --synthetic it reads data/cifar-10-batches-py
 # and says where to get it if that is missing.

@@ -1,4 +1,5 @@
-"""Benchmarks for unified_amp: AMP throughput, peak memory and unified-vs-native overhead.
+"""Benchmarks for unified_amp: AMP throughput, peak memory, and unified-vs-native overhead.
 
-Run ``python -m benchmarks.bench --help``; the backend is ``UNIFIED_AMP_BACKEND``.
+One entry point: ``python -m benchmarks <name>`` (``python -m benchmarks`` lists the
+names); the backend is ``UNIFIED_AMP_BACKEND``. docs/BENCHMARKS.md says how.
 """

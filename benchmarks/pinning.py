@@ -1,4 +1,4 @@
-"""What ``amp.keep_float32`` and a registered function cost: ``python -m benchmarks.pinning``.
+"""What ``amp.keep_float32`` and a registered function cost: ``python -m benchmarks overhead --sections pinning``.
 
 On the active backend (``UNIFIED_AMP_BACKEND``), a small MLP's training step under
 ``amp.autocast`` (the backend's CPU default: bfloat16 with torch, float16 with
@@ -12,7 +12,7 @@ MegEngine), side by side in interleaved rounds:
 The figure of merit is keep_float32 / by_hand: what the pin costs over the code it
 replaces. A second table times one call of a function before and after
 ``amp.register_float_function`` (the wrapper's host cost, on a tiny tensor where it
-shows). Prints the figures and writes ``benchmarks/results/pinning/<backend>-cpu.json``.
+shows). Prints the figures and writes ``<backend>-cpu[-quick].json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -92,11 +92,12 @@ def _interleave(variants: dict[str, Callable[[], Any]], rounds: int, steps: int,
     return {name: t["per_round"] for name, t in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks overhead --sections pinning",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds")
     parser.add_argument("--out", type=Path, default=_OUT)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     backend = amp.get_backend().name
     big = not args.quick and backend == "torch"
     width, batch = (512, 256) if big else (64, 16)
@@ -143,7 +144,4 @@ def main() -> None:
     path = args.out / f"{backend}-cpu{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -135,11 +135,11 @@ def timed_rounds(variants: dict[str, Callable[[], Any]], kit: Kit, *, warmup: in
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             step = variants[name]
-            kit.sync()
+            kit.synchronize()
             w0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 kit.read(step())
-            kit.sync()
+            kit.synchronize()
             out[name]["wall"].append((time.perf_counter() - w0) / steps)
             out[name]["cpu"].append((time.process_time() - c0) / steps)
     return out

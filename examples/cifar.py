@@ -6,7 +6,10 @@ in AMP, epoch by epoch in turn (the order alternates), so that machine load hits
 alike and their throughput compares as a ratio measured in one run. The step is the
 demo's (``examples.cnn_classifier.train_step``: ``amp.autocast`` + ``amp.GradScaler``)
 or, with ``--opt-level``, apex's (``examples.apex_style.generator_step``:
-``amp.initialize`` + ``amp.scale_loss``; the fp32 run is then O0). SGD with momentum
+``amp.initialize`` + ``amp.scale_loss``; the fp32 run is then O0). With ``--native`` a
+third copy trains in the same turns with the framework's own AMP (``examples.native_amp``:
+torch.autocast + torch.amp.GradScaler, or megengine.amp's), so unified_amp's cost shows
+as a ratio to the native loop's, and ``--no-contract`` makes the two byte-comparable. SGD with momentum
 0.9, weight decay 5e-4, the learning rate times 0.1 at half and three quarters of the
 epochs; random crops (4-pixel padding) and mirroring.
 
@@ -39,7 +42,7 @@ from tqdm import tqdm
 
 import unified_amp as amp
 
-from . import apex_style, cifar_data, cifar_plot, cnn_classifier, frameworks, resnet
+from . import apex_style, cifar_data, cifar_plot, cnn_classifier, frameworks, native_amp, resnet
 
 DEFAULT_DATA = Path("data") / cifar_data.FOLDER
 PAD = 4  # random crops: pad each side by 4 pixels, cut a 32x32 window
@@ -58,6 +61,8 @@ class Options:
     weight_decay: float = 5e-4
     dtype: str | None = None  # None: the device's low precision
     opt_level: str | None = None  # None: amp.autocast + amp.GradScaler; "O1"/"O2": apex's API
+    contract: bool = True  # amp.autocast's dtype contract; False: the native autocast's dtypes
+    native: bool = False  # a third run: the framework's own AMP (examples.native_amp)
     channels_last: bool = False
     augment: bool = True
     seed: int = 0
@@ -73,7 +78,7 @@ class _Run:
     model: Any
     step: Callable[[Any, Any], float]
     scheduler: Any
-    scaler: amp.GradScaler
+    stats: Callable[[], dict[str, Any]]  # the scaler's figures
     precision: Any  # the block evaluation runs in
     label: str
     losses: list[float] = field(default_factory=list)
@@ -96,13 +101,21 @@ def channels_last_refusal(fw: Any, model: str = "resnet50", width: int = 64) -> 
     return fw.channels_last_hazard(resnet.resnet(fw, model, len(cifar_data.CLASSES), width))
 
 
-def _make_run(fw: Any, amp_on: bool, opts: Options) -> _Run:
-    fw.seed(opts.seed)  # the same initial weights for both runs
+def _make_run(fw: Any, mode: str, opts: Options) -> _Run:
+    """``mode``: "fp32", "AMP" (unified_amp's) or "native" (the framework's own AMP)."""
+    fw.seed(opts.seed)  # the same initial weights for every run
     model = resnet.resnet(fw, opts.model, len(cifar_data.CLASSES), opts.width)
     if opts.channels_last:
         model = fw.channels_last(model)
     optimizer = fw.sgd(model.parameters(), opts.lr, opts.momentum, opts.weight_decay)
     loss_fn = fw.cross_entropy
+    amp_on = mode != "fp32"
+    milestones = sorted({max(1, opts.epochs // 2), max(1, 3 * opts.epochs // 4)})
+    scheduler = fw.lr_milestones(optimizer, milestones, 0.1)
+    if mode == "native":
+        native = native_amp.native_amp(fw, model, optimizer, loss_fn, opts.dtype)
+        return _Run(model=model, step=native.step, stats=native.stats, label=native.label,
+                    precision=native.precision, scheduler=scheduler)
     if opts.opt_level is not None:  # apex's API: the fp32 run is O0
         level = opts.opt_level if amp_on else "O0"
         model, optimizer = amp.initialize(model, optimizer, opt_level=level,
@@ -117,16 +130,15 @@ def _make_run(fw: Any, amp_on: bool, opts: Options) -> _Run:
                                              loss_fn=loss_fn, inputs=images, targets=labels)
     else:
         scaler = amp.GradScaler(enabled=amp_on)
-        precision = amp.autocast(enabled=amp_on, dtype=opts.dtype)
+        precision = amp.autocast(enabled=amp_on, dtype=opts.dtype, contract=opts.contract)
         gm = amp.GradManager(model.parameters())
         label = ""  # the compute dtype, once the first evaluation has seen it
 
         def step(images: Any, labels: Any) -> float:
             return cnn_classifier.train_step(model, gm, optimizer, scaler, loss_fn, images,
                                              labels, precision)
-    milestones = sorted({max(1, opts.epochs // 2), max(1, 3 * opts.epochs // 4)})
-    return _Run(model=model, step=step, scaler=scaler, precision=precision, label=label,
-                scheduler=fw.lr_milestones(optimizer, milestones, 0.1))
+    return _Run(model=model, step=step, stats=lambda: _jsonable_stats(scaler),
+                precision=precision, label=label, scheduler=scheduler)
 
 
 def normaliser(train_x: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
@@ -203,8 +215,10 @@ def train_runs(data: dict[str, Any], opts: Options) -> dict[str, Any]:
         t = fw.tensor(x)
         return fw.channels_last(t) if opts.channels_last else t
 
-    runs = {"fp32": _make_run(fw, False, opts), "AMP": _make_run(fw, True, opts)}
+    modes = ("fp32", "AMP", "native") if opts.native else ("fp32", "AMP")
+    runs = {mode: _make_run(fw, mode, opts) for mode in modes}
     names = list(runs)
+    turn = len(names)
     steps_per_epoch = n_train // opts.batch_size
     bar = tqdm(total=opts.epochs * steps_per_epoch * len(runs), disable=not opts.progress,
                desc=f"{fw.name} {opts.model}", unit="step", leave=True)
@@ -219,7 +233,7 @@ def train_runs(data: dict[str, Any], opts: Options) -> dict[str, Any]:
             break
         batches = epoch_batches(data["train_x"], data["train_y"], opts.batch_size,
                                 opts.seed, epoch, opts.augment)
-        for name in names[epoch % 2:] + names[:epoch % 2]:
+        for name in names[epoch % turn:] + names[:epoch % turn]:
             run = runs[name]
             fw.reset_peak_memory()
             resident, memory_how = fw.peak_memory()  # right after a reset: what is held now
@@ -264,11 +278,16 @@ def _result(fw: Any, data: dict[str, Any], opts: Options, runs: dict[str, _Run],
             "samples_per_s": steps_per_epoch * opts.batch_size / float(np.median(timed)),
             "peak_memory_bytes": max(run.peak_memory, default=None),
             "step_memory_bytes": max(run.step_memory, default=None),
-            "scaler": _jsonable_stats(run.scaler),
+            "scaler": run.stats(),
             "data": {"train": len(data["train_x"]), "test": len(data["test_x"]),
                      "steps_per_epoch": steps_per_epoch},
         }
     backend = amp.get_backend().name
+    native: dict[str, Any] = {}
+    if "native" in runs:  # the same loop in the framework's own AMP: ratio, and same bytes?
+        native = {"throughput_vs_native": cnn_classifier.throughput_ratio(out, "AMP", "native"),
+                  "weights_identical_to_native": _same_bytes(fw, runs["AMP"].model,
+                                                             runs["native"].model)}
     return {
         "backend": backend,
         "framework_version": importlib.metadata.version(
@@ -284,7 +303,17 @@ def _result(fw: Any, data: dict[str, Any], opts: Options, runs: dict[str, _Run],
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "runs": out,
         "throughput_ratio": cnn_classifier.throughput_ratio(out),
+        "throughput_ratios": {name: cnn_classifier.throughput_ratio(out, name)
+                              for name in out if name != "fp32"},
+        **native,
     }
+
+
+def _same_bytes(fw: Any, a: Any, b: Any) -> bool:
+    """Whether two models' parameters are equal byte for byte."""
+    pa, pb = list(a.parameters()), list(b.parameters())
+    return len(pa) == len(pb) and all(
+        fw.numpy(x).tobytes() == fw.numpy(y).tobytes() for x, y in zip(pa, pb))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -314,6 +343,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--opt-level", choices=("O1", "O2"), default=None,
                    help="train with apex's API (amp.initialize + amp.scale_loss) at this"
                         " level; the fp32 run is O0")
+    p.add_argument("--native", action="store_true",
+                   help="a third run in the same turns: the framework's own AMP"
+                        " (torch.autocast + torch.amp.GradScaler, or megengine.amp's)")
+    p.add_argument("--no-contract", action="store_true",
+                   help="amp.autocast(contract=False): the native autocast's dtypes, so that"
+                        " the unified run can be compared with --native byte for byte")
     p.add_argument("--channels-last", action="store_true",
                    help="torch's channels-last memory format (model and inputs); an error"
                         " on MegEngine, which has none, and on a CPU without AVX-512 at"
@@ -372,7 +407,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]
         _fail(why)
     opts = Options(model=args.model, width=args.width, epochs=args.epochs,
                    batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                   dtype=args.dtype, opt_level=args.opt_level,
+                   dtype=args.dtype, opt_level=args.opt_level, native=args.native,
+                   contract=not args.no_contract,
                    channels_last=args.channels_last, augment=not args.no_augment,
                    seed=args.seed, eval_batch_size=args.eval_batch_size,
                    time_budget=args.time_budget, progress=not args.no_progress)
@@ -382,7 +418,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]
           f" {len(data['test_x'])} held out; batch {opts.batch_size}, {opts.epochs} epochs")
     how = (f"amp.initialize(opt_level={opts.opt_level!r}) + amp.scale_loss; fp32 is O0"
            if opts.opt_level else f"amp.autocast(dtype={opts.dtype!r}) + amp.GradScaler()")
-    print(f"AMP: {how}; fp32 and AMP train in turn, epoch by epoch")
+    turns = "fp32, AMP and the native AMP" if opts.native else "fp32 and AMP"
+    print(f"AMP: {how}; {turns} train in turn, epoch by epoch")
     try:
         result = train_runs(data, opts)
     except ValueError as e:
@@ -400,6 +437,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]
     print()
     print(cnn_classifier.accuracy_verdict(result["runs"]))
     print(cnn_classifier.throughput_verdict(result["throughput_ratio"]))
+    if opts.native:
+        r = result["throughput_vs_native"]
+        same = "identical" if result["weights_identical_to_native"] else "not identical"
+        print(f"unified_amp trained at {r['median']:.3f}x the throughput of"
+              f" {result['runs']['native']['precision']} (median of {r['n']} per-epoch"
+              f" ratios; quartiles {r['q1']:.3f}-{r['q3']:.3f}); final weights {same}"
+              f" byte for byte.")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{result['backend']}-{opts.model}" + (f"-{opts.opt_level}" if opts.opt_level else "")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -22,7 +22,8 @@ from . import cnn_classifier
 
 # fp32 wide and solid, AMP dashed on top: where the curves agree both stay visible.
 STYLES = {"fp32": {"color": "tab:blue", "linewidth": 2.6, "alpha": 0.75},
-          "AMP": {"color": "tab:orange", "linewidth": 1.4, "linestyle": "--"}}
+          "AMP": {"color": "tab:orange", "linewidth": 1.4, "linestyle": "--"},
+          "native": {"color": "tab:green", "linewidth": 1.0, "linestyle": ":"}}
 
 
 def load(paths: list[Path]) -> list[dict[str, Any]]:
@@ -113,16 +114,21 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def _ratio_cell(ratio: dict[str, float]) -> str:
+    return f"{ratio['median']:.2f}x ({ratio['q1']:.2f}-{ratio['q3']:.2f})"
+
+
 def table(result: dict[str, Any]) -> str:
     """One column per run: the figures the experiment compares."""
     runs = result["runs"]
     ratio = result["throughput_ratio"]
+    ratios = result.get("throughput_ratios", {})  # per run; older results have AMP's only
     rows = [
         ("precision", lambda r: r["precision"]), *cnn_classifier.LOSS_ROWS,
         ("best accuracy", lambda r: f"{100 * max(r['accuracies']):.1f}%"),
         ("samples/s", lambda r: f"{r['samples_per_s']:.1f}"),
         ("throughput vs fp32", lambda r: "1 (baseline)" if r is runs["fp32"] else
-         f"{ratio['median']:.2f}x ({ratio['q1']:.2f}-{ratio['q3']:.2f})"),
+         _ratio_cell(ratios.get(next(n for n in runs if runs[n] is r), ratio))),
         ("peak memory", lambda r: mib(r["peak_memory_bytes"])),
         ("step memory", lambda r: mib(r["step_memory_bytes"])),
         *cnn_classifier.SCALER_ROWS,

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The CIFAR experiment on one GPU (docs/CIFAR.md, "On a GPU"): ResNet-50, batch 128, fp32 and
-# AMP (float16) in turns through examples/cifar.py on torch, capped in time. Run it from the
+# The CIFAR experiment on one GPU (docs/CIFAR.md, "On a GPU"): ResNet-50, batch 128, fp32,
+# unified_amp's AMP (float16) and torch.amp's own (torch.autocast + torch.amp.GradScaler,
+# --native) in turns through examples/cifar.py on torch, capped in time: what the layer
+# costs where AMP matters, as a ratio to the native loop measured in the same run. Run it from the
 # repository root on a machine with a CUDA GPU, a CUDA build of torch, numpy, matplotlib and
 # tqdm; no network and no MegEngine needed. It reads CIFAR-10 from $CIFAR_DATA (default
 # data/cifar-10-batches-py) when that folder holds it, and otherwise trains on a synthetic
@@ -12,8 +14,13 @@
 # TF32=0 turns off TF32 for float32 convolutions and matmuls (torch runs float32
 # convolutions in TF32 by default on Ampere and later; a Volta has none), so that fp32 is
 # true float32 as in the experiment. OPT_LEVEL=O2 trains AMP with apex's API instead.
-# CIFAR_ARGS go last, so they override (a CPU trial of this script: CIFAR_ARGS="--model
-# resnet18 --width 4 --train-size 64 --batch-size 16 --epochs 1" SYNTHETIC_N=200).
+# NATIVE=0 leaves torch.amp's run out (two runs in turns, as before 0.2.0); CONTRACT=0
+# passes --no-contract (unified_amp with torch.autocast's dtypes: weights comparable byte
+# for byte with torch.amp's).
+# CIFAR_ARGS go last, so they override (a CPU dry run of this script, a minute or two:
+# CIFAR_ARGS="--model resnet18 --width 8 --train-size 16 --test-size 10 --batch-size 8
+# --epochs 1 --eval-batch-size 10" SYNTHETIC_N=40 CAP=300; width 8 or more on a CPU
+# without AVX-512, docs/CIFAR.md).
 set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-gpu-output}
@@ -35,6 +42,8 @@ else
 fi
 extra=()
 if [ -n "${OPT_LEVEL:-}" ]; then extra+=(--opt-level "$OPT_LEVEL"); fi
+if [ "${NATIVE:-1}" != 0 ]; then extra+=(--native); fi
+if [ "${CONTRACT:-1}" = 0 ]; then extra+=(--no-contract); fi
 
 # torch's TF32 switches are set before the example runs (it has no flag of its own for them).
 timeout "$CAP" "$PY" -c '

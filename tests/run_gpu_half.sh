@@ -2,7 +2,7 @@
 # The real-GPU half of the suite (docs/GPU.md, "runbook"): run from the repository root on a
 # machine with a CUDA GPU and a CUDA build of torch, no network needed. Everything it prints
 # also goes to $OUT (default gpu-output/): env.txt, pytest.log, junit.xml, bench.log and the
-# benchmark's JSON. Each step has a time cap so that one call fits a short GPU lease.
+# benchmarks' results (throughput-*.json, overhead-workloads-*.json). Each step has a time cap so that one call fits a short GPU lease.
 #   PY=python3 OUT=gpu-output PYTEST_WORKERS=4 PYTEST_ARGS=... BENCH_ARGS=--quick bash tests/run_gpu_half.sh
 # 4 workers by default: with 16 (one per core) each worker's CUDA start-up and the tests
 # that start interpreters, compilers or process groups of their own timed out at 50 s
@@ -26,7 +26,11 @@ LIVE_FAILURES="$OUT/failures.txt" timeout "${PYTEST_CAP:-400}" "$PY" -m pytest t
   --ignore tests/integrations -q -rs -p no:cacheprovider -p tests.live_failures "${xdist[@]}" --junitxml "$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
 
-# The H100 figures: AMP against fp32 throughput, the scaler's overhead against torch.amp's.
-timeout "${BENCH_CAP:-150}" "$PY" -m benchmarks.bench --device cuda --out "$OUT" ${BENCH_ARGS:---quick} 2>&1 \
-  | tee "$OUT/bench.log"
-echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+# The GPU figures (docs/BENCHMARKS.md): AMP against fp32 throughput, then unified_amp's
+# step against torch.amp's, each result in the one format under $OUT, each capped.
+for name in throughput overhead; do
+  sections=$([ "$name" = overhead ] && echo "--sections workloads" || echo "")
+  timeout "${BENCH_CAP:-150}" "$PY" -m benchmarks "$name" $sections --device cuda --out "$OUT" \
+    ${BENCH_ARGS:---quick} 2>&1 | tee -a "$OUT/bench.log"
+  echo "bench $name exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+done

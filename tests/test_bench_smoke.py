@@ -1,4 +1,6 @@
-"""The benchmark CLI runs end to end on this backend (tiny sizes) and writes its figures."""
+"""The benchmark tool (``python -m benchmarks <name>``) runs every named benchmark end to
+end on this backend (tiny sizes), writes each section's figures in the one result format,
+and its report writes docs/BENCHMARKS.md's tables from them."""
 
 import json
 import math
@@ -6,54 +8,89 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 import unified_amp as amp
+from benchmarks import __main__ as bench_cli
+from benchmarks import results_format, tables
 
 ROOT = Path(__file__).resolve().parents[1]
+# Each test runs a benchmark in a subprocess (which has its own 600 s limit); on a loaded
+# 2-core machine a quick compile or step section took over the suite's 300 s.
+pytestmark = pytest.mark.timeout(900)
 
 
-def run_benchmark(module, *args, backend=None):
-    """``python -m benchmarks.<module> --quick *args`` from the checkout, on ``backend``
-    (default: this run's); fails the test with its stderr if it fails."""
+def cli(*args, backend=None):
     env = dict(os.environ, UNIFIED_AMP_BACKEND=backend or amp.get_backend().name,
                MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick",
-                           *map(str, args)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "benchmarks", *map(str, args)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def check_shape(result, name, backend):
+    """What every result holds, whatever the benchmark: who, where, how, and its rows."""
+    assert result["format"] == results_format.FORMAT
+    assert result["benchmark"] == name and result["backend"] == backend
+    assert result["device"] in ("cpu", "cuda") and result["quick"] is True
+    assert result["command"].startswith(f"python -m benchmarks {name} --quick")
+    datetime.strptime(result["date"], "%Y-%m-%dT%H:%M:%SZ")
+    assert set(result["versions"]) == {"python", "unified_amp", backend}
+    assert result["versions"][backend][0].isdigit(), result["versions"]
+    # the scripts wrote into a scratch folder; no path of this machine is saved
+    assert tempfile.gettempdir() + os.sep not in json.dumps(result["raw"])
+    names = [r["name"] for r in result["rows"]]
+    assert names and len(names) == len(set(names)), names
+    for row in result["rows"]:
+        value = row.get("median", row.get("value"))
+        assert isinstance(value, (int, float)) and math.isfinite(value), row
+        if "median" in row and "q1" in row:
+            assert row["q1"] <= row["median"] <= row["q3"], row
+        if "ratio" in row["name"] and "median" in row:
+            assert 0.02 < row["median"] < 50, row  # a ratio of two timed steps, not 0 or inf
+
+
+def run_benchmark(name, tmp_path, *args, backend=None):
+    """``python -m benchmarks <name> --quick *args --out tmp_path``: its results by section
+    (each checked for the format's shape); fails the test with stderr if it fails."""
+    backend = backend or amp.get_backend().name
+    proc = cli(name, "--quick", *args, "--out", tmp_path, backend=backend)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    for result in results:
+        check_shape(result, name, backend)
+        assert (tmp_path / results_format.file_name(result)).exists()
+    return {r["section"]: r for r in results}
 
 
-def test_quick_benchmark_writes_json_and_plot(tmp_path):
+def test_no_name_lists_the_benchmarks_and_an_unknown_one_is_named():
+    listed = cli()
+    assert listed.returncode == 0
+    for name in ("throughput", "overhead", "compile", "trace", "real-models", "cifar",
+                 "report"):
+        assert f"  {name} " in listed.stdout, listed.stdout
+    bad = cli("overheads")
+    assert bad.returncode == 2 and "unknown benchmark 'overheads'" in bad.stderr
+    assert "the benchmarks are: throughput, overhead" in bad.stderr
+    bad = cli("overhead", "--sections", "step,nope")
+    assert bad.returncode == 2 and "no section 'nope'" in bad.stderr
+
+
+def test_quick_throughput_benchmark(tmp_path):
     backend = amp.get_backend().name
-    run_benchmark("bench", "--out", tmp_path)
-    (json_path,) = tmp_path.glob(f"{backend}-*-quick.json")
-    assert json_path.with_suffix(".png").stat().st_size > 10_000
-    result = json.loads(json_path.read_text())
-    assert result["config"]["mode"] == "quick" and result["config"]["backend"] == backend
+    results = run_benchmark("throughput", tmp_path)
+    assert set(results) == {"precisions", "opt-levels"}
+    assert (tmp_path / f"throughput-precisions-{backend}-cpu-quick.png").stat().st_size > 10_000
     for name in ("convnet", "transformer"):
-        workload = result["workloads"][name]
-        variants = workload["throughput"][0]["variants"]
+        variants = results["precisions"]["raw"]["workloads"][name]["throughput"][0]["variants"]
         for dtype in ("float32", "float16"):  # both backends compute these on CPU
             assert variants[dtype]["samples_per_s"] > 0
             assert math.isfinite(variants[dtype]["final_loss"])
         assert variants["float16"]["scaler"]["steps"] > 0
-        overhead = workload["overhead"]
-        assert overhead["failed"] == {}
-        # Each ratio is taken within a round, of the two variants it names. Not a bound on
-        # its value: a quick run's three 2-step rounds on a shared CPU put one at 0.077
-        # (torch 2.12.1, load average 5); the figures are the full run's (BENCHMARKS.md).
-        for ratio in ("unified", "scaler_only", "trace_on", "trace_off"):
-            r = overhead["ratios"][ratio]
-            num, den = (overhead["variants"][r[k]]["per_round_step_time_s"]
-                        for k in ("numerator", "denominator"))
-            assert r["per_round"] == pytest.approx([a / b for a, b in zip(num, den)])
-            assert len(r["per_round"]) == overhead["rounds"]
-            assert r["median"] == pytest.approx(statistics.median(r["per_round"]))
-            assert r["median"] > 0
-        levels = workload["opt_levels"]["levels"]
+        levels = results["opt-levels"]["raw"]["workloads"][name]["opt_levels"]["levels"]
         assert list(levels) == ["O0", "O1", "O2", "O3"]
         for level, v in levels.items():
             assert v["properties"]["opt_level"] == level
@@ -66,6 +103,61 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path):
             assert levels["O2"]["bytes_vs_O0"] == 1.25
             o3_masters = levels["O3"]["properties"]["master_weights"]
             assert levels["O3"]["bytes_vs_O0"] == (1.25 if o3_masters else 0.5)
+    rows = {r["name"]: r for r in results["opt-levels"]["rows"]}
+    assert rows["workloads / transformer / opt_levels / levels / O2 / bytes_vs_O0"][
+        "value"] == 1.25
+
+
+class Sections(dict):
+    """The overhead benchmark's quick results by section, each section run on first use
+    (one `python -m benchmarks overhead --quick --sections S` per section: all at once
+    would outlast one test's time limit on a loaded 2-core machine)."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, section):
+        self.update(run_benchmark("overhead", self.folder, "--sections", section))
+        return self[section]
+
+
+@pytest.fixture(scope="module")
+def overhead(tmp_path_factory):
+    return Sections(tmp_path_factory.mktemp("overhead"))
+
+
+def test_overhead_sections_on_this_backend():
+    backend = amp.get_backend().name
+    wanted = bench_cli.sections_of("overhead", None)
+    assert [name for name, _ in bench_cli.plan("overhead", wanted, backend)] == [
+        "step", "workloads", "host", "parts", *(("mode",) if backend == "torch" else ()),
+        "pinning"]
+
+
+def test_overhead_pinning_section(overhead):
+    pinning = {r["name"] for r in overhead["pinning"]["rows"]}
+    assert {"ratios / keep_float32/by_hand", "ratios / keep_float32/unpinned"} <= pinning
+
+
+def test_overhead_workloads_ratios_are_taken_within_a_round(overhead):
+    for name in ("convnet", "transformer"):
+        result = overhead["workloads"]["raw"]["workloads"][name]["overhead"]
+        assert result["failed"] == {}
+        # Each ratio is taken within a round, of the two variants it names. Not a bound on
+        # its value: a quick run's three 2-step rounds on a shared CPU put one at 0.077
+        # (torch 2.12.1, load average 5); the figures are the full run's (BENCHMARKS.md).
+        for ratio in ("unified", "scaler_only", "trace_on", "trace_off"):
+            r = result["ratios"][ratio]
+            num, den = (result["variants"][r[k]]["per_round_step_time_s"]
+                        for k in ("numerator", "denominator"))
+            assert r["per_round"] == pytest.approx([a / b for a, b in zip(num, den)])
+            assert len(r["per_round"]) == result["rounds"]
+            assert r["median"] == pytest.approx(statistics.median(r["per_round"]))
+            assert r["median"] > 0
+        rows = {r["name"]: r for r in overhead["workloads"]["rows"]}
+        assert rows[f"workloads / {name} / overhead / ratios / unified"]["median"] == \
+            result["ratios"]["unified"]["median"]
 
 
 def test_quick_compile_benchmark_runs_every_variant(tmp_path):
@@ -73,9 +165,9 @@ def test_quick_compile_benchmark_runs_every_variant(tmp_path):
     fullgraph=True where dynamo traces autocast's switches), trains and is timed; the
     JSON holds each ratio the docs quote."""
     if amp.get_backend().name != "torch":
-        pytest.skip("torch.compile is torch's; MegEngine's trace has benchmarks/trace_megengine.py")
-    run_benchmark("compile", "--workloads", "transformer", "--out", tmp_path, backend="torch")
-    result = json.loads((tmp_path / "torch-cpu-compile-quick.json").read_text())
+        pytest.skip("torch.compile is torch's; MegEngine's trace: test_quick_trace_benchmark")
+    result = run_benchmark("compile", tmp_path, "--workloads", "transformer",
+                           backend="torch")["compile"]["raw"]
     assert result["fullgraph"] is True
     workload = result["workloads"]["transformer"]
     steps = workload["step_ms_median"]
@@ -92,26 +184,24 @@ def test_quick_compile_benchmark_runs_every_variant(tmp_path):
     assert all(0.05 < r["median"] < 20 for r in whole["ratios"].values()), whole["ratios"]
 
 
-def test_mode_cost_benchmark_times_each_variant(tmp_path):
-    """benchmarks/mode_cost.py (torch only): the four variants timed, per call."""
+def test_overhead_mode_section_times_each_variant(overhead):
+    """The overhead's mode section (torch only): the four variants timed, per call."""
     if amp.get_backend().name != "torch":
         pytest.skip("the contract's function mode is torch's")
-    run_benchmark("mode_cost", "--out", tmp_path, backend="torch")
-    result = json.loads((tmp_path / "mode-cost-torch.json").read_text())
+    result = overhead["mode"]["raw"]
     assert set(result["us_per_call"]) == {"torch.autocast", "+ empty mode", "amp.autocast",
                                           "amp.autocast(contract=False)"}
     assert all(v["median"] > 0 and v["n"] == 3 for v in result["us_per_call"].values())
 
 
-def test_host_cost_benchmark_times_each_variant_beside_a_control(tmp_path):
-    """benchmarks/host_cost.py on this backend: for every point, the native scaler, the
-    unified one and a second native one (the control) timed in the same rounds, and
+def test_overhead_host_section_times_each_variant_beside_a_control(overhead):
+    """The overhead's host section on this backend: for every point, the native scaler,
+    the unified one and a second native one (the control) timed in the same rounds, and
     both ratios saved with the plot."""
     backend = amp.get_backend().name
-    run_benchmark("host_cost", "--out", tmp_path)
-    stem = tmp_path / f"host-cost-{backend}-quick"
-    result = json.loads(stem.with_suffix(".json").read_text())
-    assert stem.with_suffix(".png").stat().st_size > 10_000
+    result = overhead["host"]["raw"]
+    png = overhead.folder / f"overhead-host-{backend}-cpu-quick.png"
+    assert png.stat().st_size > 10_000
     points = [v for by_n in result["loops"].values() for v in by_n.values()]
     points += [result["mlp_6x256"]] if backend == "torch" else []
     assert len(points) == 4 + (backend == "torch")
@@ -123,13 +213,12 @@ def test_host_cost_benchmark_times_each_variant_beside_a_control(tmp_path):
             assert 0.2 < ratio["median"] < 5.0
 
 
-def test_host_cost_parts_benchmark_takes_each_part_out(tmp_path):
-    """benchmarks/host_cost_parts.py on this backend: unified_amp's step with each part
+def test_overhead_parts_section_takes_each_part_out(overhead):
+    """The overhead's parts section (benchmarks/host_cost_parts.py): unified_amp's step with each part
     taken out, beside the whole step and the control, and each part's share; on
     MegEngine also megengine.amp's steps written out, alone and with each part."""
     backend = amp.get_backend().name
-    run_benchmark("host_cost_parts", "--out", tmp_path)
-    result = json.loads((tmp_path / f"host-cost-parts-{backend}-quick.json").read_text())
+    result = overhead["parts"]["raw"]
     (point,) = result["points"].values()
     parts = {"megengine": ["float32/device guard", "ledger", "forensics", "trace checks"],
              "torch": ["backward watch", "ledger", "forensics"]}[backend]
@@ -145,7 +234,7 @@ def test_host_cost_parts_benchmark_takes_each_part_out(tmp_path):
 
 
 def test_real_models_benchmark_times_each_variant_beside_a_control(tmp_path):
-    """benchmarks/real_models.py: torchvision's ResNet-50 and transformers' GPT-2, every
+    """The real-models benchmark (benchmarks/real_models.py): torchvision's ResNet-50 and transformers' GPT-2, every
     variant and the control timed in every round, the ratios saved with the plot. It
     needs torchvision and transformers, which only .venv-integrations-models holds:
     `make test-integrations` runs this test there."""
@@ -154,10 +243,8 @@ def test_real_models_benchmark_times_each_variant_beside_a_control(tmp_path):
     for package in ("torchvision", "transformers"):
         pytest.importorskip(package, reason="runs in .venv-integrations-models"
                                             " (make test-integrations)")
-    run_benchmark("real_models", "--out", tmp_path, backend="torch")
-    stem = tmp_path / "real-models-cpu-quick"
-    result = json.loads(stem.with_suffix(".json").read_text())
-    assert stem.with_suffix(".png").stat().st_size > 10_000
+    result = run_benchmark("real-models", tmp_path, backend="torch")["models"]["raw"]
+    assert (tmp_path / "real-models-models-torch-cpu-quick.png").stat().st_size > 10_000
     assert set(result["models"]) == {"resnet50", "gpt2"}
     for name, r in result["models"].items():
         assert set(r["per_round_s"]) == {"native", "control", "unified",
@@ -170,13 +257,12 @@ def test_real_models_benchmark_times_each_variant_beside_a_control(tmp_path):
             assert 0.2 < ratio["median"] < 5.0
 
 
-def test_defaults_cost_benchmark_times_each_swap_beside_a_control(tmp_path):
-    """benchmarks/defaults_cost.py on this backend: the MLP step with each piece of
+def test_overhead_step_section_times_each_swap_beside_a_control(overhead):
+    """The overhead's step section (benchmarks/defaults_cost.py): the MLP step with each piece of
     unified_amp swapped in (and a control), MegEngine's automatic and manual steps by
     tensor count, and the bench's two workloads, each as ratios to the native step."""
     backend = amp.get_backend().name
-    run_benchmark("defaults_cost", "--out", tmp_path)
-    result = json.loads((tmp_path / f"defaults-cost-{backend}-quick.json").read_text())
+    result = overhead["step"]["raw"]
     mlp = result["mlp"]
     assert list(mlp["ratios"]) == [
         "control", "the scaler only", "amp.autocast(contract=False) only",
@@ -206,3 +292,82 @@ def test_defaults_cost_benchmark_times_each_swap_beside_a_control(tmp_path):
     # from CPython 3.12 on the bytecode count is skipped (see python_work's docstring)
     assert set(work) == (counted if sys.version_info < (3, 12) else set())
     assert all(v["native"] > 100 and v["unified scaler"] > 100 for v in work.values())
+
+
+def test_quick_trace_benchmark_and_each_backends_refusal(tmp_path):
+    """trace runs on MegEngine (eager vs jit.trace, both scalers); compile and trace each
+    refuse the other backend by name, before anything runs."""
+    backend = amp.get_backend().name
+    other = {"torch": "trace", "megengine": "compile"}[backend]
+    proc = cli(other, "--quick", "--out", tmp_path)
+    assert proc.returncode == 2 and f"does not run on {backend!r}" in proc.stderr
+    assert not list(tmp_path.iterdir())
+    if backend != "megengine":
+        return
+    result = run_benchmark("trace", tmp_path)["trace"]
+    assert any("ratio" in r["name"] for r in result["rows"]), result["rows"]
+
+
+def test_quick_cifar_benchmark_trains_fp32_unified_and_native_in_turn(tmp_path):
+    result = run_benchmark("cifar", tmp_path)["native"]
+    raw = result["raw"]
+    assert set(raw["runs"]) == {"fp32", "AMP", "native"}
+    assert raw["epochs_run"] == 2
+    rows = {r["name"]: r for r in result["rows"]}
+    assert rows["throughput_vs_native"]["median"] == raw["throughput_vs_native"]["median"]
+    assert rows["runs / native / samples_per_s"]["value"] > 0
+    assert isinstance(raw["weights_identical_to_native"], bool)
+
+
+DOC = """# Benchmarks
+
+Prose before the tables stays.
+
+{begin}
+old tables
+{end}
+
+Prose after them stays too.
+"""
+
+
+def test_report_writes_the_latest_full_results_between_the_markers(overhead, tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    older, newer = (dict(overhead["step"], quick=False, date=d)
+                    for d in ("2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"))
+    newer["rows"] = [dict(r, median=r["median"] * 2) if "median" in r else r
+                     for r in newer["rows"]]
+    (folder / "a.json").write_text(json.dumps(older))
+    (folder / "b.json").write_text(json.dumps(newer))
+    (folder / "quick.json").write_text(json.dumps(overhead["workloads"]))  # quick: left out
+    (folder / "old-format.json").write_text(json.dumps({"schema": 1}))  # not the format
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(DOC.format(begin=tables.BEGIN, end=tables.END))
+    proc = cli("report", "--results", folder, "--doc", doc)
+    assert proc.returncode == 0, proc.stderr
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nProse before the tables stays.\n\n" + tables.BEGIN)
+    assert text.endswith(tables.END + "\n\nProse after them stays too.\n")
+    assert "old tables" not in text and text.count("### overhead / step") == 1
+    assert "2026-02-01" in text and "2026-01-01" not in text
+    assert "### overhead / workloads" not in text
+    shown = [r for r in newer["rows"] if "ratio" in r["name"]]
+    assert shown
+    for row in shown:
+        assert f"| {row['name']} | {tables._number(row['median'])} |" in text
+    assert cli("report", "--results", folder, "--doc", doc, "--check").returncode == 0
+    assert doc.read_text() == text  # a second run changes nothing
+    doc.write_text(text.replace(shown[0]["name"], "edited by hand"))
+    stale = cli("report", "--results", folder, "--doc", doc, "--check")
+    assert stale.returncode == 1 and "out of date" in stale.stderr
+    doc.write_text("# no markers\n")
+    missing = cli("report", "--results", folder, "--doc", doc)
+    assert missing.returncode == 2 and "no generated-table markers" in missing.stderr
+
+
+def test_committed_tables_are_those_the_committed_results_give():
+    """docs/BENCHMARKS.md's tables are what `python -m benchmarks report` writes from
+    benchmarks/results/ (nobody edited a figure by hand, no result is missing)."""
+    proc = cli("report", "--check")
+    assert proc.returncode == 0, proc.stderr

@@ -3,6 +3,7 @@ unknown name fails with the library's own message before any environment is made
 one backend can be tested without the other's environment."""
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -108,3 +109,12 @@ def test_test_oldest_makes_its_environment_with_the_oldest_cpython_and_its_pins(
     assert proc.returncode == 0, proc.stderr
     assert "/no/python3.10 -m venv .venv-torch-oldest" in proc.stdout
     assert "-c constraints/torch-oldest.txt" in proc.stdout
+
+
+def test_bench_runs_the_named_benchmark_of_the_one_tool():
+    proc = make("-n", "bench", "NAME=overhead", "BENCH_ARGS=--quick --sections step")
+    assert proc.returncode == 0, proc.stderr
+    assert ".venv-torch/bin/python -m benchmarks overhead --quick --sections step" in proc.stdout
+    listing = make("-n", "bench")  # no NAME: the tool lists its benchmarks
+    assert listing.returncode == 0, listing.stderr
+    assert re.search(r"\.venv-torch/bin/python -m benchmarks\s*$", listing.stdout, re.M)

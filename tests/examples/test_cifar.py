@@ -407,3 +407,44 @@ def test_a_batch_file_cannot_run_code_when_read(folder, tmp_path):
     with pytest.raises(cifar_data.CifarDataError, match="refers to .*open"):
         cifar_data.load(copy)
     assert not marker.exists()
+
+
+def test_native_amp_trains_in_turn_and_matches_unified_amp_byte_for_byte(fw, folder, tmp_path,
+                                                                          monkeypatch):
+    """--native: a third copy trains in the same turns with the framework's own AMP
+    (torch.autocast + torch.amp.GradScaler, or megengine.amp's). With the native
+    autocast's dtypes (--no-contract), unified_amp's run and the native one end with the
+    same weights, byte for byte, compared here on the models themselves."""
+    made, order = {}, []
+    make = cifar._make_run
+
+    def spy(fw_, mode, opts):
+        run = made[mode] = make(fw_, mode, opts)
+        step = run.step
+
+        def recorded(*args):
+            order.append(mode)
+            return step(*args)
+
+        run.step = recorded
+        return run
+
+    monkeypatch.setattr(cifar, "_make_run", spy)
+    result = cifar.main(TINY + ["--width", "8", "--train-size", "16", "--native",
+                                "--no-contract", "--data", str(folder), "--out", str(tmp_path)])
+    # 2 steps an epoch; the turn moves on by one run each epoch.
+    assert order == ["fp32"] * 2 + ["AMP"] * 2 + ["native"] * 2 + \
+        ["AMP"] * 2 + ["native"] * 2 + ["fp32"] * 2
+    runs = result["runs"]
+    native_name = {"torch": "torch.amp", "megengine": "megengine.amp"}[fw.name]
+    assert runs["native"]["precision"] == f"{native_name}, {default_dtype()}"
+    assert runs["native"]["compute_dtype"] == runs["AMP"]["compute_dtype"] == default_dtype()
+    assert runs["native"]["scaler"] == {"enabled": True, "scale": 2.0**16, "steps": 4,
+                                        "skipped_steps": 0}
+    assert runs["native"]["losses"] == runs["AMP"]["losses"] != runs["fp32"]["losses"]
+    params = {mode: [fw.numpy(p) for p in run.model.parameters()] for mode, run in made.items()}
+    assert [a.tobytes() for a in params["AMP"]] == [b.tobytes() for b in params["native"]]
+    assert [a.tobytes() for a in params["AMP"]] != [b.tobytes() for b in params["fp32"]]
+    assert result["weights_identical_to_native"] is True
+    assert set(result["throughput_ratios"]) == {"AMP", "native"}
+    assert result["throughput_vs_native"]["n"] == 1
