@@ -106,8 +106,8 @@ def _straight_line(scaler: Any, parts: tuple[str, ...]) -> None:
     with ``parts`` (PARTS' MegEngine names) inline (see the module docstring)."""
     import megengine.functional as F
 
-    from unified_amp._ledger import Check
-    from unified_amp._scale_rule import next_scale
+    from unified_amp.scaler._machine import Check
+    from unified_amp.scaler._scale_rule import next_scale
 
     m = _machine(scaler)
     backend, version = m.be(), m._caps().version
