@@ -431,6 +431,11 @@ def _run_in_order(order, backend, reset, shape, forms=("around", "inside", "arou
         for i, kind in enumerate(order):
             if reset and i:
                 torch._dynamo.reset()
+                # Compiled anew after the reset: calling a function compiled before it
+                # crashes torch 2.7-2.8 on CPython 3.13 (torch's bug; docs/VERSIONS.md).
+                around = torch.compile(body, backend=backend)
+                inside = {k: torch.compile(f, backend=backend) for k, f in
+                          (("native", native_inside), ("unified", unified_inside))}
             with outer[kind]():
                 seen[kind, "around"] = around(x).dtype
             if "inside" in forms:
