@@ -107,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="a benchmark, or report")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few rounds: a smoke run")
     p.add_argument("--sections", help="comma-separated; default: all of the benchmark's")
-    p.add_argument("--out", type=Path, default=RESULTS, help=f"default {RESULTS}")
+    p.add_argument("--out", type=Path, help="default benchmarks/results")
     p.add_argument("--threads", type=int, help="torch's CPU threads (default 1: a shared"
                    " machine; 0 keeps torch's default)")
     g = p.add_argument_group("what the sections take (each says which)")
@@ -151,6 +151,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _section_options(opts: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(a for a in vars(opts) if a not in
+                 ("name", "quick", "sections", "out", "threads", *REPORT_OPTIONS))
+
+
 def choose(opts: argparse.Namespace) -> list[str]:
     """The sections of ``opts.name`` to run, in the benchmark's order, after checking the
     name, the sections and that each option given applies to one of them (no framework
@@ -160,11 +165,12 @@ def choose(opts: argparse.Namespace) -> list[str]:
         BenchmarkError: an unknown benchmark or section, or an option that none of the
             chosen sections takes.
     """
-    section_options = tuple(a for a in vars(opts) if a not in
-                            ("name", "quick", "sections", "out", "threads", *REPORT_OPTIONS))
+    section_options = _section_options(opts)
+    if opts.name is None:
+        raise BenchmarkError("name a benchmark (or report) before its options")
     if opts.name == "report":
         stray = _given(opts, section_options) + (["quick"] if opts.quick else []) + \
-            _given(opts, ("sections", "threads"))
+            _given(opts, ("sections", "threads", "out"))
         if stray:
             raise BenchmarkError(f"report takes --results, --doc and --check, not "
                                  f"{', '.join(map(_flag, stray))}")
@@ -319,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchmarkError as e:
         print(f"python -m benchmarks: error: {e}\n\n{listing()}", file=sys.stderr)
         return 2
+    opts.out = opts.out or RESULTS
     threads = 1  # MegEngine's default CPU comp node runs one thread
     if backend == "torch":
         import torch
@@ -331,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         section = sections[name]
         print(f"== {opts.name} / {name} on {backend}: {section.about}", flush=True)
-        for option in ("device", "workloads", "seed"):
-            if getattr(opts, option) is not None and option not in section.takes:
+        for option in _given(opts, _section_options(opts)):
+            if option not in section.takes:
                 print(f"   ({_flag(option)} does not apply to this section)")
         run = Run(opts, backend, opts.name, name)
         module, function = section.function.split(":")

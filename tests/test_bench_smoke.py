@@ -101,7 +101,9 @@ def test_no_name_lists_the_benchmarks():
     (["overhead", "--workloads", "convnet,mlp"], "--workloads takes a comma-separated"
                                                  " subset of convnet,transformer"),
     (["overhead", "--rounds", "0"], "--rounds must be >= 1; got 0"),
-    (["report", "--quick"], "report takes --results, --doc and --check, not --quick"),
+    (["report", "--quick", "--out", "x"],
+     "report takes --results, --doc and --check, not --quick, --out"),
+    (["--rounds", "3"], "name a benchmark (or report) before its options"),
     (["overhead", "--check"], "--check: options of python -m benchmarks report"),
 ])
 def test_what_the_tool_does_not_know_stops_it_before_a_framework_loads(args, says):
