@@ -106,9 +106,13 @@ def test_no_name_lists_the_benchmarks():
     (["--rounds", "3"], "name a benchmark (or report) before its options"),
     (["overhead", "--check"], "--check: options of python -m benchmarks report"),
 ])
-def test_what_the_tool_does_not_know_stops_it_before_a_framework_loads(args, says):
+def test_what_the_tool_does_not_know_stops_it_before_a_framework_loads(args, says,
+                                                                        tmp_path):
     """Exit status 2 naming the bad name, section or option, with nothing imported of
-    either framework (one parser for every section: nothing passes through)."""
+    either framework and nothing written (one parser for every section: nothing passes
+    through)."""
+    if args[0] != "report":  # were it to run after all, it writes there
+        args = [*args, "--out", str(tmp_path)]
     code = ("import sys; from benchmarks.__main__ import main; rc = main(sys.argv[1:]);"
             " loaded = {'torch', 'megengine'} & set(sys.modules);"
             " assert not loaded, loaded; sys.exit(rc)")
@@ -117,6 +121,7 @@ def test_what_the_tool_does_not_know_stops_it_before_a_framework_loads(args, say
                           env=dict(os.environ, UNIFIED_AMP_BACKEND=amp.get_backend().name))
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_quick_throughput_benchmark(tmp_path):
