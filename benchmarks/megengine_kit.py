@@ -20,8 +20,7 @@ import numpy as np
 
 from examples.frameworks import MegEngineKit
 
-from .common import Workload
-from .workloads import BenchKit
+from .workloads import BenchKit, Workload
 
 
 class Kit(BenchKit, MegEngineKit):
@@ -34,8 +33,8 @@ class Kit(BenchKit, MegEngineKit):
     def __init__(self, device: str) -> None:
         """Args: device: "auto" (CUDA if MegEngine sees one), "cpu" or "cuda"."""
         if device == "cuda" and not megengine.is_cuda_available():
-            raise SystemExit("--device cuda: MegEngine sees no CUDA device (CPU build, or"
-                             " no driver).")
+            raise SystemExit("python -m benchmarks: --device cuda: MegEngine sees no CUDA"
+                             " device (CPU build, or no driver).")
         super().__init__(device)
 
     # -- description ------------------------------------------------------------------
@@ -52,14 +51,10 @@ class Kit(BenchKit, MegEngineKit):
                         cudnn_version=megengine.device.get_cudnn_version())
         return info
 
-    def threads(self, n: int) -> str | None:
-        """MegEngine's default CPU comp node runs one thread; returns a note saying so."""
-        if self.device != "cpu":
-            return None
-        return ("MegEngine runs CPU kernels on one thread: its default CPU comp node is"
-                f" single-threaded (--threads {n} applies to torch only).")
-
     # -- the native step --------------------------------------------------------------
+    def native_autocast(self, dtype: str) -> Any:
+        return megengine.amp.autocast(enabled=True, low_prec_dtype=dtype)
+
     def native_step(self, w: Workload, dtype: str, *,
                     autocast: Callable[[], Any] | None = None, scaler: Any = None,
                     fp32_sensitive: bool = False) -> Callable[[], megengine.Tensor]:
@@ -76,7 +71,7 @@ class Kit(BenchKit, MegEngineKit):
         """
         if autocast is None:
             def autocast() -> Any:
-                return megengine.amp.autocast(enabled=True, low_prec_dtype=dtype)
+                return self.native_autocast(dtype)
         if scaler is None:
             scaler = megengine.amp.GradScaler()
         gm = megengine.autodiff.GradManager().attach(w.params)
@@ -93,10 +88,5 @@ class Kit(BenchKit, MegEngineKit):
         return step
 
     # -- device hooks -----------------------------------------------------------------
-    def tf32(self, on: bool) -> str | None:
-        """TF32 is a torch switch; returns the note that it does not apply here."""
-        return ("--tf32 sets torch.backends flags; MegEngine has no such switch, so the"
-                " setting is ignored on this backend.")
-
     def tensor_bytes(self, tensors: Any) -> int:
         return sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize for t in tensors)

@@ -1,348 +1,219 @@
-"""What a run leaves behind: machine description, stdout table, JSON and PNG."""
+"""``python -m benchmarks report [--results DIR] [--doc PATH] [--check]``: docs/BENCHMARKS.md's
+tables, written from the latest full (not --quick) result of each benchmark, section,
+backend and device, between the page's generated-table markers; the prose around them
+stays as it is. ``--check`` writes nothing and fails when the page is out of date.
+
+A table shows the rows a user decides by (``SHOWN``: which rows, and their labels), one
+column per backend and device; the JSON keeps every figure.
+"""
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
-_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-# The ratios that measure unified_amp's own cost, held to the target; the others explain.
-TARGETED = ("unified", "scaler_only", "unified_same_dtypes", "trace_off")
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+from . import results_format
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN = "<!-- generated tables: python -m benchmarks report (edits here are overwritten) -->"
+END = "<!-- end of generated tables -->"
+W = r"([\w.-]+)"
+# (benchmark, section) -> (what it shows, [(row-name pattern, label)]), in the page's order.
+SHOWN: dict[tuple[str, str], tuple[str, list[tuple[str, str]]]] = {
+    ("throughput", "precisions"): ("AMP against fp32: speed-up of the step, median of"
+                                   " per-round ratios", [
+        (rf"workloads / {W} / throughput / 0 / variants / (float16|bfloat16)"
+         r" / speedup_vs_fp32", r"\1, \2"),
+        (rf"workloads / {W} / throughput / 0 / variants / (float16|bfloat16)"
+         r" / peak_memory_vs_fp32", r"\1, \2: peak memory vs fp32")]),
+    ("overhead", "eager"): ("the eager step against the native AMP step (time per step as"
+                            " a ratio to the native's; calls per forward: exact)", [
+        (rf"workloads / {W} / ratios / (.+)", r"\1: \2"),
+        (rf"workloads / {W} / torch_calls_per_forward", r"\1: torch calls per forward"),
+        (rf"workloads / {W} / variants / (.+) / unified_amp_calls_per_forward",
+         r"\1: Python calls into unified_amp per forward, \2")]),
+    ("overhead", "step"): ("the launch-bound MLP step with one piece swapped in at a time,"
+                           " ratio to the native step", [
+        (r"mlp / ratios / (.+)", r"\1"),
+        (r"mode_floor / ratios / (.+)", r"a run of its own: \1")]),
+    ("overhead", "mode"): ("the contract's cost per torch call (an 8x8 linear, relu and add)", [
+        (r"ratio_to_torch_autocast / (?!torch\.autocast$)(.+)",
+         r"\1: time per call / torch.autocast's"),
+        (r"extra_us_per_call / (?!torch\.autocast$)(.+)", r"\1: µs added per call")]),
+    ("overhead", "forensics"): ("overflow forensics: the unified step with forward tracing"
+                                " on and off, ratio to the step without forensics", [
+        (rf"workloads / {W} / ratios / (.+)", r"\1: \2")]),
+    ("overhead", "host"): ("the scaler's host time by parameter-tensor count, unified /"
+                           " native, beside the control", [
+        (rf"loops / {W} / (\d+) / ratio", r"\1, \2 tensors: unified / native"),
+        (rf"loops / {W} / (\d+) / control_ratio", r"\1, \2 tensors: control / native")]),
+    ("overhead", "pinning"): ("amp.keep_float32 against the same layer pinned by hand", [
+        (r"ratios / (.+)", r"\1")]),
+    ("throughput", "opt-levels"): ("apex's opt levels, ratios to O0", [
+        (rf"workloads / {W} / opt_levels / levels / (O\d) / (bytes_vs_O0|step_time_vs_O0)",
+         r"\1, \2: \3")]),
+    ("compile", "compile"): ("eager and compiled (the forward and its block), unified_amp"
+                             " / torch.amp per round", [
+        (rf"workloads / {W} / ratios / (.+)", r"\1: \2")]),
+    ("compile", "whole-step"): ("the whole step compiled, ratio to torch.amp's", [
+        (rf"whole_step_compiled / {W} / ratios / (.+) / native", r"\1: \2")]),
+    ("trace", "trace"): ("megengine.jit.trace: process CPU time per step, ratios per round", [
+        (rf"workloads / {W} / ratios_cpu / (.+)", r"\1: \2")]),
+    ("real-models", "models"): ("real models: step time / torch.amp's", [
+        (rf"models / {W} / ratio_to_native / (.+)", r"\1: \2")]),
+    ("cifar", "native"): ("the CIFAR ResNet in turns (synthetic data)", [
+        (r"runs / (\w+) / (accuracy|samples_per_s)", r"\1: \2"),
+        (r"throughput_vs_native", r"AMP throughput / the native AMP's"),
+        (r"weights_identical_to_native", r"final weights identical to the native AMP's")]),
+}
+# What the page shows: the sections whose figures decide something (the others' results
+# stay in benchmarks/results/, and `python -m benchmarks` prints them).
+ON_THE_PAGE = [("throughput", "precisions"), ("overhead", "eager"), ("overhead", "step"),
+               ("overhead", "mode"), ("overhead", "forensics"), ("compile", "compile"),
+               ("compile", "whole-step"), ("trace", "trace"), ("real-models", "models"),
+               ("cifar", "native")]
 
 
-def _cpuinfo() -> dict[str, Any]:
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    return {"cpu_model": model, "cpu_flags": [f for f in _CPU_FLAGS if f in flags]}
+def shown(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, row) for each row of ``result`` its section shows, in the result's order,
+    labelled by the first pattern that matches the row's whole name."""
+    patterns = SHOWN.get((result["benchmark"], result["section"]), ("", []))[1]
+    out = []
+    for row in result["rows"]:
+        for pattern, label in patterns:
+            if re.fullmatch(pattern, row["name"]):
+                out.append((re.sub(f"^{pattern}$", label, row["name"]), row))
+                break
+    return out
 
 
-def _mem_total_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def machine_info(kit: Any) -> dict[str, Any]:
-    """CPU, memory, OS, Python, framework and device, as plain JSON values."""
-    import numpy
-
-    info = _cpuinfo()
-    info.update(
-        cpu_count=os.cpu_count(),
-        cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        memory_bytes=_mem_total_bytes(),
-        platform=platform.platform(),
-        python=platform.python_version(),
-        numpy=numpy.__version__,
-        device=kit.device,
-    )
-    info.update(kit.info())
-    info.setdefault("device_name", f"CPU: {info['cpu_model']}")
-    return info
-
-
-def loadavg() -> list[float] | None:
-    """The 1/5/15-minute load averages: how busy the machine was (it is shared)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _finite(obj: Any) -> Any:
-    """``obj`` with NaN and inf floats (a diverged loss) as None: JSON has no NaN."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def write_json(data: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
-
-
-# -- the stdout table -----------------------------------------------------------------
-def _ms(s: dict[str, float]) -> str:
-    return f"{s['median'] * 1e3:9.2f} [{s['q1'] * 1e3:.2f}-{s['q3'] * 1e3:.2f}]"
-
-
-def _mem(v: dict[str, Any]) -> str:
-    b, r = v.get("peak_memory_bytes"), v.get("peak_memory_vs_fp32")
-    if b is None:
-        return "n/a"
-    return f"{b / 2**20:.1f} MiB" + ("" if r is None else f" ({r:.2f}x)")
-
-
-def _tf32(t: bool | None) -> str:
-    return "n/a" if t is None else ("on" if t else "off")
-
-
-def table(result: dict[str, Any]) -> str:
-    """The run's figures as aligned text."""
-    cfg, m = result["config"], result["machine"]
-    lines = [
-        f"unified_amp benchmark: backend {cfg['backend']} {m['framework_version']},"
-        f" device {m['device']} ({m['device_name']}), {cfg['mode']} mode,"
-        f" {result['runtime_s']:.0f} s",
-        "",
-        "Training throughput, unified_amp step (median over rounds [IQR]):",
-        f"{'workload':12} {'precision':9} {'tf32':4} {'step ms':>26} {'samples/s':>10}"
-        f" {'vs fp32':>7} {'peak memory (vs fp32)':>22}",
-    ]
-    for wname, w in result["workloads"].items():
-        for tp in w["throughput"]:
-            for prec, v in tp["variants"].items():
-                head = f"{wname:12} {_SHORT[prec]:9} {_tf32(tp['tf32']):4}"
-                if v.get("skipped"):
-                    lines.append(f"{head} skipped: {v['reason']}")
-                    continue
-                sp = v["speedup_vs_fp32"]
-                sp_text = "" if sp is None else f"{sp['median']:.2f}x"
-                lines.append(f"{head} {_ms(v['step_time_s']):>26}"
-                             f" {v['samples_per_s']:10.1f} {sp_text:>7} {_mem(v):>22}")
-    lines += ["", "Overhead ratios: step time of variant A / variant B, per interleaved round"
-              f" (median [IQR] (min-max)); ok: <= target {cfg['overhead_target']}:",
-              f"{'workload':12} {'dtype':5} {'ratio':20} {'A ms':>8} {'B ms':>8}"
-              f"  {'A/B':>29} {'ok':>3}"]
-    legend: dict[str, str] = {}
-    for wname, w in result["workloads"].items():
-        o = w.get("overhead")
-        if o is None:
+def latest(folder: Path) -> list[dict[str, Any]]:
+    """The newest full result per (benchmark, section, backend, device), each with the
+    file it came from (``path``)."""
+    best: dict[tuple[str, ...], dict[str, Any]] = {}
+    for path in sorted(folder.glob("*.json")):
+        r = results_format.load(path)
+        if r is None or r["quick"]:
             continue
-        if o.get("skipped"):
-            lines.append(f"{wname:12} skipped: {o['reason']}")
-            continue
-        for name, r in o["ratios"].items():
-            num, den = (o["variants"][r[k]]["step_time_s"]["median"] * 1e3
-                        for k in ("numerator", "denominator"))
-            ok = ("yes" if r["median"] <= o["target"] else "NO") if name in TARGETED else ""
-            lines.append(
-                f"{wname:12} {_SHORT[o['dtype']]:5} {name:20} {num:8.2f} {den:8.2f}"
-                f"  {r['median']:.4f} [{r['q1']:.4f}-{r['q3']:.4f}]"
-                f" ({r['min']:.3f}-{r['max']:.3f}) {ok:>3}")
-            legend[name] = f"{r['numerator']} / {r['denominator']}"
-    if legend:
-        lines.append("  where " + "; ".join(f"{k} = {v}" for k, v in legend.items()))
-    lines += _opt_level_lines(result)
-    if result["notes"]:
-        lines += ["", "Notes:"] + [f"- {n}" for n in result["notes"]]
+        r["path"] = path
+        key = (r["benchmark"], r["section"], r["backend"], r["device"])
+        if key not in best or r["date"] > best[key]["date"]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["backend"] != "torch", r["device"]))
+
+
+def number(x: Any) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+    return "n/a"
+
+
+def cell(row: dict[str, Any]) -> str:
+    if "median" not in row:
+        return number(row["value"])
+    quartiles = f" [{number(row['q1'])}–{number(row['q3'])}]" if "q1" in row else ""
+    return number(row["median"]) + quartiles
+
+
+def _who(result: dict[str, Any]) -> str:
+    return (f"{results_format.FRAMEWORKS.get(result['backend'], result['backend'])}"
+            f" {result['versions'].get(result['backend'], '?')}, {result['device']}")
+
+
+def _conditions(result: dict[str, Any], rows: list[dict[str, Any]], doc: Path) -> str:
+    v, machine = result["versions"], result.get("machine", {})
+    known = [f"unified_amp {v.get('unified_amp')}"]
+    if v.get("python", "unknown") != "unknown":
+        known.append(f"CPython {v['python']}")
+    where = machine.get("device_name") or machine.get("cpu")
+    if where and where != "unknown":
+        known.append(where)
+    if machine.get("load_average"):
+        cpus = f" on {machine['cpus']} CPUs" if machine.get("cpus") else ""
+        known.append(f"load average {machine['load_average'][0]}{cpus}")
+    ns = sorted({r["n"] for r in rows if "n" in r})
+    if ns:
+        known.append(f"n = {ns[0]}" + (f"–{ns[-1]}" if len(ns) > 1 else "") + " rounds")
+    link = f"[{result['path'].name}]({os.path.relpath(result['path'], doc.parent)})"
+    if re.search(r"-m benchmarks(\s|$)", result["command"]) and "converted" not in \
+            result["command"]:
+        how = f"`{result['command']}` on {result['date'][:10]} ({', '.join(known)}): {link}"
+    else:  # run by a script the tool replaced: its command names a file that is gone
+        how = (f"a run of {result['date'][:10]} by a script the tool replaced ("
+               f"{', '.join(known)}; its command: {link})")
+    return f"- {_who(result)}: {how}"
+
+
+def table(results: list[dict[str, Any]], doc: Path) -> str:
+    """One section's results as one markdown table, a column per backend and device,
+    with each result's command and conditions below it."""
+    about = SHOWN[(results[0]["benchmark"], results[0]["section"])][0]
+    columns = [dict(shown(r)) for r in results]
+    labels = list(dict.fromkeys(label for c in columns for label in c))
+    lines = [f"### {results[0]['benchmark']} / {results[0]['section']}: {about}", "",
+             "| | " + " | ".join(_who(r) for r in results) + " |",
+             "|---|" + "---|" * len(results)]
+    for label in labels:
+        lines.append(f"| {label} | " + " | ".join(cell(c[label]) if label in c else ""
+                                                   for c in columns) + " |")
+    lines.append("")
+    lines += [_conditions(r, list(c.values()), doc) for r, c in zip(results, columns)]
     return "\n".join(lines)
 
 
-def _mib(b: int) -> str:
-    return f"{b / 2**20:.2f} MiB"
+def render(results: list[dict[str, Any]], doc: Path) -> str:
+    by_section: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        if (r["benchmark"], r["section"]) in ON_THE_PAGE and shown(r):
+            by_section.setdefault((r["benchmark"], r["section"]), []).append(r)
+    if not by_section:
+        return "No full results yet: run `python -m benchmarks <name>`."
+    return "\n\n".join(table(by_section[key], doc) for key in ON_THE_PAGE
+                       if key in by_section)
 
 
-def _opt_level_lines(result: dict[str, Any]) -> list[str]:
-    lines = ["", "apex opt levels (amp.initialize + amp.scale_loss; each level on its own copy"
-             " of the model, interleaved; ratios to O0 per round, median [IQR]):",
-             f"{'workload':12} {'level':5} {'low':4} {'step ms':>26} {'vs O0':>22}"
-             f" {'weights + masters + opt state':>34} {'vs O0':>6} {'peak (vs O0)':>20}"]
-    for wname, w in result["workloads"].items():
-        o = w.get("opt_levels")
-        if o is None:
-            continue
-        if o.get("skipped"):
-            lines.append(f"{wname:12} skipped: {o['reason']}")
-            continue
-        for level, v in o["levels"].items():
-            head = f"{wname:12} {level:5} {_SHORT[o['low_dtype']]:4}"
-            if v.get("skipped"):
-                lines.append(f"{head} {v['reason']}")
-                continue
-            r = v["step_time_vs_O0"]
-            ratio = "" if r is None else f"{r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}]"
-            b = v["bytes"]
-            parts = f"{_mib(b['weights'])} + {_mib(b['master_weights'])} +" \
-                    f" {_mib(b['optimizer_state'])}"
-            vs = "" if v["bytes_vs_O0"] is None else f"{v['bytes_vs_O0']:.3f}"
-            mem = v.get("peak_memory_bytes")
-            peak = "n/a" if mem is None else _mib(mem) + (
-                "" if v.get("peak_memory_vs_O0") is None else
-                f" ({v['peak_memory_vs_O0']:.2f}x)")
-            lines.append(f"{head} {_ms(v['step_time_s']):>26} {ratio:>22} {parts:>34}"
-                         f" {vs:>6} {peak:>20}")
-    return lines if len(lines) > 3 else []
+def text(result: dict[str, Any]) -> str:
+    """What a run prints: the section's shown rows (all of them where it names none)."""
+    rows = shown(result) or [(r["name"], r) for r in result["rows"]]
+    width = max((len(label) for label, _ in rows), default=0)
+    return "\n".join(f"  {label:<{width}}  {cell(row)}" for label, row in rows)
 
 
-# -- the plot -------------------------------------------------------------------------
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Throughput bars per workload (IQR whiskers), the overhead ratios and the opt-level
-    ratios, as a PNG: one panel each, for the sections that ran."""
-    import matplotlib
+def rewrite(text: str, generated: str, doc: Path) -> str:
+    """``text`` with what lies between the markers replaced by ``generated``.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = result["workloads"]
-    bars = max(sum(len(tp["variants"]) for tp in w["throughput"]) for w in workloads.values())
-    panel = max(5.0, 1.1 * bars + 1.0)  # room for each bar's three-line label
-    panels: list[tuple[float, Any]] = []
-    if bars:
-        for wname, w in workloads.items():
-            panels.append((panel, lambda ax, wname=wname, w=w: _plot_throughput(ax, wname, w)))
-    if any(w.get("overhead") and not w["overhead"].get("skipped")
-           for w in workloads.values()):
-        panels.append((5.5, lambda ax: _plot_overhead(ax, result)))
-    if any(w.get("opt_levels") and not w["opt_levels"].get("skipped")
-           for w in workloads.values()):
-        panels.append((5.5, lambda ax: _plot_opt_levels(ax, workloads)))
-    widths = [width for width, _ in panels] or [5.5]
-    fig, axes = plt.subplots(1, len(widths), layout="constrained", squeeze=False,
-                             figsize=(max(sum(widths), 9.0), 4.8), width_ratios=widths)
-    for ax, (_, draw) in zip(axes[0], panels):
-        draw(ax)
-    cfg, m = result["config"], result["machine"]
-    threads = f", {m['threads']} CPU thread(s)" if m["device"] == "cpu" else ""
-    fig.suptitle(f"{cfg['backend']} {m['framework_version']} on {m['device_name']}{threads}"
-                 f" ({cfg['mode']} mode, {result['date'][:10]})", fontsize=10)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    Raises:
+        ValueError: the page lacks the markers (or has them out of order).
+    """
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{doc} has no generated-table markers; put the lines {BEGIN!r}"
+                         f" and {END!r} where the tables go.")
+    return text[:start + len(BEGIN)] + "\n\n" + generated + "\n\n" + text[end:]
 
 
-def _plot_throughput(ax: Any, wname: str, w: dict[str, Any]) -> None:
-    colors = {"float32": "#4c72b0", "float16": "#dd8452", "bfloat16": "#55a868"}
-    labels, heights, errs, cols, notes = [], [], [[], []], [], []
-    for tp in w["throughput"]:
-        for prec, v in tp["variants"].items():
-            label = _SHORT[prec]
-            if tp["tf32"] is not None:
-                label += f"\ntf32 {_tf32(tp['tf32'])}"
-            labels.append(label)
-            cols.append(colors[prec])
-            if v.get("skipped"):
-                heights.append(0.0)
-                errs[0].append(0.0)
-                errs[1].append(0.0)
-                notes.append("skipped")
-                continue
-            lo, hi = v["samples_per_s_iqr"]
-            heights.append(v["samples_per_s"])
-            errs[0].append(max(v["samples_per_s"] - lo, 0.0))
-            errs[1].append(max(hi - v["samples_per_s"], 0.0))
-            note = f"{v['samples_per_s']:.4g}/s"
-            if v["speedup_vs_fp32"] is not None:
-                note += f"\n{v['speedup_vs_fp32']['median']:.2f}x fp32"
-            if v["peak_memory_bytes"] is not None:
-                note += f"\npeak {v['peak_memory_bytes'] / 2**30:.2f} GiB"
-            notes.append(note)
-    xs = range(len(labels))
-    ax.bar(xs, heights, yerr=errs, color=cols, capsize=4)
-    top = max([h + e for h, e in zip(heights, errs[1])] + [1.0])
-    for x, h, e, note in zip(xs, heights, errs[1], notes):
-        ax.text(x, h + e + top * 0.02, note, ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylim(0, top * 1.25)
-    ax.set_ylabel("samples / s (higher is better)")
-    size = ", ".join(f"{k}={v}" for k, v in w["size"].items())
-    ax.set_title(f"{wname}: training throughput\n{size}", fontsize=9)
-
-
-def _plot_overhead(ax: Any, result: dict[str, Any]) -> None:
-    workloads = result["workloads"]
-    names = ("unified", "scaler_only", "autocast_only", "contract_cost",
-             "unified_same_dtypes", "trace_on", "trace_off")
-    width = 0.8 / len(names)
-    ratios = []
-    for i, w in enumerate(workloads.values()):
-        o = w.get("overhead")
-        if not o or o.get("skipped"):
-            continue
-        for j, name in enumerate(names):
-            r = o["ratios"].get(name)
-            if r is None:
-                continue
-            ratios += [r["q1"], r["q3"]]
-            x = i + (j - (len(names) - 1) / 2) * width
-            ax.errorbar(x, r["median"], yerr=[[r["median"] - r["q1"]], [r["q3"] - r["median"]]],
-                        fmt="o", color=f"C{j}", capsize=3, label=name if i == 0 else None)
-            ax.annotate(f"{r['median']:.3f}", (x, r["q3"]), xytext=(0, 3),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=7,
-                        rotation=90)
-    ax.axhline(1.0, color="black", lw=0.8)
-    target = result["config"]["overhead_target"]
-    ax.axhline(target, color="red", lw=0.8, ls="--", label=f"target {target}")
-    lo, hi = min(ratios + [0.97]), max(ratios + [1.03])
-    ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.25 * (hi - lo))  # headroom for the labels
-    ax.set_xlim(-0.5, len(workloads) - 0.5)
-    ax.set_xticks(range(len(workloads)), list(workloads))
-    ax.set_ylabel("step time ratio (lower is better)")
-    dtypes = {w["overhead"]["dtype"] for w in workloads.values()
-              if w.get("overhead") and not w["overhead"].get("skipped")}
-    ax.set_title(f"overhead ratios, {', '.join(_SHORT[d] for d in sorted(dtypes))}: median of"
-                 " per-round ratios, IQR whiskers", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
-
-
-def _plot_opt_levels(ax: Any, workloads: dict[str, Any]) -> None:
-    """Step time and weight + optimizer-state bytes of O1-O3 as ratios to O0."""
-    kinds = (("step time", "step_time_vs_O0"), ("weights + opt state", "bytes_vs_O0"))
-    x, ticks, tick_labels = 0.0, [], []
-    for wname, w in workloads.items():
-        o = w.get("opt_levels")
-        if not o or o.get("skipped"):
-            continue
-        for level, v in o["levels"].items():
-            if v.get("skipped"):
-                continue
-            for j, (label, key) in enumerate(kinds):
-                value = v[key]["median"] if isinstance(v[key], dict) else v[key]
-                if value is None:
-                    continue
-                bar_x = x + (j - 0.5) * 0.4
-                ax.bar(bar_x, value, width=0.4, color=f"C{j}",
-                       label=label if not ticks else None)
-                ax.text(bar_x, value, f"{value:.2f}", ha="center", va="bottom", fontsize=6,
-                        rotation=90)
-            ticks.append(x)
-            tick_labels.append(f"{level}\n{wname}" if level == "O0" else level)
-            x += 1.0
-        x += 0.5
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(ticks, tick_labels, fontsize=7)
-    ax.set_ylabel("ratio to O0 (lower is better)")
-    dtypes = {w["opt_levels"]["low_dtype"] for w in workloads.values()
-              if w.get("opt_levels") and not w["opt_levels"].get("skipped")}
-    ax.set_title(f"apex opt levels ({', '.join(_SHORT[d] for d in sorted(dtypes))}):"
-                 " ratios to O0", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-
-
-def command_line(argv: list[str]) -> str:
-    """The invocation, as one shell line with the backend variable it ran under."""
-    import shlex
-
-    env = os.environ.get("UNIFIED_AMP_BACKEND")
-    prefix = f"UNIFIED_AMP_BACKEND={env} " if env else ""
-    # The interpreter relative to the checkout (its .venv-*), else by name: a saved
-    # result names the command, not the machine it ran on.
-    exe = Path(sys.executable)
+def main(results: Path | None, doc: Path | None, check: bool) -> int:
+    results = results or ROOT / "benchmarks" / "results"
+    doc = doc or ROOT / "docs" / "BENCHMARKS.md"
+    old = doc.read_text()
     try:
-        python = str(exe.relative_to(Path(__file__).resolve().parents[1]))
-    except ValueError:
-        python = exe.name
-    return f"{prefix}{python} -m benchmarks.bench {shlex.join(argv)}".rstrip()
+        new = rewrite(old, render(latest(results), doc), doc)
+    except ValueError as e:
+        print(f"python -m benchmarks report: error: {e}", file=sys.stderr)
+        return 2
+    if check:
+        if new != old:
+            print(f"{doc}'s tables are out of date: run python -m benchmarks report",
+                  file=sys.stderr)
+            return 1
+        return 0
+    doc.write_text(new)
+    print(f"wrote the tables of {len(latest(results))} results into {doc}")
+    return 0

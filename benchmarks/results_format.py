@@ -6,7 +6,7 @@ A result file (``benchmarks/results/<benchmark>-<section>-<backend>-<device>[-qu
     {"format": FORMAT, "benchmark": "overhead", "section": "step", "backend": "torch",
      "device": "cpu", "versions": {"python": ..., "unified_amp": ..., "torch": ...},
      "command": "python -m benchmarks overhead --sections step", "date": "...Z",
-     "quick": false, "machine": {"cpus": 2, "load_average": [...]},
+     "quick": false, "machine": {"cpus": 2, "cpu": "...", "load_average": [...], ...},
      "rows": [{"name": "mlp / ratios / both, the defaults", "median": 1.05, "q1": ...,
                "q3": ..., "n": 61}, {"name": "... / samples_per_s", "value": 812.0}, ...],
      "raw": {...}}
@@ -29,9 +29,11 @@ from typing import Any, Iterator
 
 FORMAT = "unified_amp-benchmark/1"
 # Scalars worth a row of their own (everything else that is a figure is a statistic).
-SCALARS = ("samples_per_s", "peak_memory_bytes", "bytes_vs_O0", "accuracy", "final_loss",
-           "weights_identical_to_native")
+SCALARS = ("samples_per_s", "peak_memory_bytes", "peak_memory_vs_fp32", "bytes_vs_O0",
+           "accuracy", "final_loss", "weights_identical_to_native", "torch_calls_per_forward",
+           "unified_amp_calls_per_forward", "native_bytecodes", "unified_bytecodes")
 FRAMEWORKS = {"torch": "torch", "megengine": "MegEngine"}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
 
 
 def versions(backend: str) -> dict[str, str]:
@@ -42,6 +44,26 @@ def versions(backend: str) -> dict[str, str]:
             out[key] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[key] = "not installed"
+    return out
+
+
+def machine(device_name: str | None = None) -> dict[str, Any]:
+    """The CPU (model, count, the flags that decide low-precision speed), the device's
+    name where it is not the CPU, and the load average: a shared machine is noisy."""
+    out: dict[str, Any] = {"cpus": os.cpu_count(), "cpu": platform.processor() or "unknown"}
+    try:
+        with open("/proc/cpuinfo") as f:  # the first processor's entry
+            first = f.read().split("\n\n")[0]
+        info = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in
+                                                      first.splitlines())}
+        out["cpu"] = info.get("model name", out["cpu"])
+        out["cpu_flags"] = [f for f in CPU_FLAGS if f in info.get("flags", "").split()]
+    except OSError:
+        pass
+    if device_name:
+        out["device_name"] = device_name
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ()
+    out["load_average"] = [round(x, 2) for x in load]
     return out
 
 
@@ -64,14 +86,13 @@ def rows(raw: Any, path: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
 
 
 def record(benchmark: str, section: str, backend: str, device: str, command: str,
-           quick: bool, raw: dict[str, Any]) -> dict[str, Any]:
+           quick: bool, raw: dict[str, Any], device_name: str | None = None
+           ) -> dict[str, Any]:
     """The result of one section's run, in the one format."""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else ()
     return {"format": FORMAT, "benchmark": benchmark, "section": section,
             "backend": backend, "device": device, "versions": versions(backend),
             "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "quick": quick,
-            "machine": {"cpus": os.cpu_count(), "load_average": [round(x, 2) for x in load]},
+            "quick": quick, "machine": machine(device_name),
             "rows": list(rows(raw)), "raw": raw}
 
 

@@ -7,15 +7,13 @@ active backend is torch, so the MegEngine environment never needs torch.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
 from examples.frameworks import TorchKit
 
-from .common import Workload
-from .workloads import BenchKit
+from .workloads import BenchKit, Workload
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,7 +28,7 @@ class Kit(BenchKit, TorchKit):
     def __init__(self, device: str) -> None:
         """Args: device: "auto" (CUDA if torch sees one), "cpu" or "cuda"."""
         if device == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("--device cuda: torch sees no CUDA device"
+            raise SystemExit("python -m benchmarks: --device cuda: torch sees no CUDA device"
                              f" (torch {torch.__version__}).")
         super().__init__(device)
         if self.device == "cuda":
@@ -48,15 +46,6 @@ class Kit(BenchKit, TorchKit):
                         cudnn_version=torch.backends.cudnn.version())
         return info
 
-    def threads(self, n: int) -> str | None:
-        """Sets torch's intra-op CPU threads (0: torch's default); returns a note."""
-        if self.device != "cpu":
-            return None
-        if n:
-            torch.set_num_threads(n)
-        return (f"torch runs CPU kernels on {torch.get_num_threads()} thread(s) of"
-                f" {os.cpu_count()} (--threads {n}).")
-
     def layout(self, name: str, model: Any, x: Any) -> tuple[Any, Any]:
         if name == "convnet" and self.device == "cuda":
             # NHWC is what tensor-core convolutions want.
@@ -65,6 +54,9 @@ class Kit(BenchKit, TorchKit):
         return model, x
 
     # -- the native step --------------------------------------------------------------
+    def native_autocast(self, dtype: str) -> Any:
+        return torch.autocast(self.device, dtype=_DTYPES[dtype])
+
     def native_step(self, w: Workload, dtype: str, *,
                     autocast: Callable[[], Any] | None = None, scaler: Any = None,
                     fp32_sensitive: bool = False) -> Callable[[], torch.Tensor]:
@@ -80,7 +72,7 @@ class Kit(BenchKit, TorchKit):
         """
         if autocast is None:
             def autocast() -> Any:
-                return torch.autocast(self.device, dtype=_DTYPES[dtype])
+                return self.native_autocast(dtype)
         if scaler is None:
             scaler = torch.amp.GradScaler(self.device)
         opt = w.optimizer
@@ -97,13 +89,10 @@ class Kit(BenchKit, TorchKit):
         return step
 
     # -- device hooks -----------------------------------------------------------------
-    def tf32(self, on: bool) -> str | None:
-        """Sets TF32 for float32 matmuls and convolutions; a note where it does not apply."""
-        if self.device != "cuda":
-            return "TF32 is a CUDA (Ampere+) feature: the --tf32 setting is ignored on CPU."
+    def tf32(self, on: bool) -> None:
+        """Sets TF32 for float32 matmuls and convolutions (on CUDA)."""
         torch.backends.cuda.matmul.allow_tf32 = on
         torch.backends.cudnn.allow_tf32 = on
-        return None
 
     def tensor_bytes(self, tensors: Any) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The real-GPU half of the suite (docs/GPU.md, "runbook"): run from the repository root on a
 # machine with a CUDA GPU and a CUDA build of torch, no network needed. Everything it prints
-# also goes to $OUT (default gpu-output/): env.txt, pytest.log, junit.xml, bench.log and the
-# benchmarks' results (throughput-*.json, overhead-workloads-*.json). Each step has a time cap so that one call fits a short GPU lease.
-#   PY=python3 OUT=gpu-output PYTEST_WORKERS=4 PYTEST_ARGS=... BENCH_ARGS=--quick bash tests/run_gpu_half.sh
+# also goes to $OUT (default gpu-output/): env.txt, bench.log, pytest.log, failures.txt,
+# junit.xml and the benchmarks' results (overhead-eager-*.json, throughput-precisions-*.json).
+# The whole call fits one 10-minute device call: TOTAL_CAP seconds (default 540) from the
+# start, install included; each step is capped by its own cap and by what is left of it.
+#   PY=python3 OUT=gpu-output PYTEST_WORKERS=4 PYTEST_ARGS=... bash tests/run_gpu_half.sh
 # 4 workers by default: with 16 (one per core) each worker's CUDA start-up and the tests
 # that start interpreters, compilers or process groups of their own timed out at 50 s
 # per test on the H100 machine (docs/GPU.md). Give pytest-timeout a per-test limit of a
@@ -12,8 +14,27 @@ set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-gpu-output}
 WORKERS=${PYTEST_WORKERS:-4}
+DEVICE=${BENCH_DEVICE:-cuda}  # cpu: a dry run of the script on a machine without a GPU
+DEADLINE=$((SECONDS + ${TOTAL_CAP:-540}))
 # shellcheck source=tests/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
+
+# The smaller of a step's own cap ($1) and the seconds left before the deadline (at least 1).
+cap() { local left=$((DEADLINE - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
+
+bench() {  # one benchmark, capped, its result in the one format under $OUT
+  local limit=$1; shift
+  timeout "$(cap "$limit")" "$PY" -m benchmarks "$@" --device "$DEVICE" --out "$OUT" \
+    2>&1 | tee -a "$OUT/bench.log"
+  echo "bench $* exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+}
+
+# First the eager training step beside torch.amp's (docs/BENCHMARKS.md, overhead / eager):
+# amp.autocast() and amp.autocast(contract=False) with amp.GradScaler against
+# torch.autocast + torch.amp.GradScaler, at the GPU sizes and at the launch-bound CPU
+# ones, with the calls a forward makes into torch and into unified_amp. About a minute on
+# an H200; it is what a GPU block's cost is read from.
+bench "${EAGER_CAP:-150}" overhead --sections eager ${EAGER_ARGS:-}
 
 # The whole suite but the runners (their own environments, tests/integrations): on a GPU
 # the "cuda" parametrizations of tests/contract run instead of skipping, and
@@ -22,15 +43,13 @@ xdist=()
 if "$PY" -c 'import xdist' 2>/dev/null && [ "$WORKERS" != 0 ]; then xdist=(-n "$WORKERS"); fi
 # Each failure is written to failures.txt as it happens (tests/live_failures.py): a run cut
 # off by its cap still names what failed and why.
-LIVE_FAILURES="$OUT/failures.txt" timeout "${PYTEST_CAP:-400}" "$PY" -m pytest tests \
-  --ignore tests/integrations -q -rs -p no:cacheprovider -p tests.live_failures "${xdist[@]}" --junitxml "$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
+LIVE_FAILURES="$OUT/failures.txt" timeout "$(cap "${PYTEST_CAP:-300}")" "$PY" -m pytest tests \
+  --ignore tests/integrations -q -rs -p no:cacheprovider -p tests.live_failures "${xdist[@]}" \
+  --junitxml "$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
 
-# The GPU figures (docs/BENCHMARKS.md): AMP against fp32 throughput, then unified_amp's
-# step against torch.amp's, each result in the one format under $OUT, each capped.
-for name in throughput overhead; do
-  sections=$([ "$name" = overhead ] && echo "--sections workloads" || echo "")
-  timeout "${BENCH_CAP:-150}" "$PY" -m benchmarks "$name" $sections --device cuda --out "$OUT" \
-    ${BENCH_ARGS:---quick} 2>&1 | tee -a "$OUT/bench.log"
-  echo "bench $name exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
-done
+# Then AMP against fp32 (throughput and peak memory), with what time is left.
+if [ $((DEADLINE - SECONDS)) -gt 20 ]; then
+  bench "${BENCH_CAP:-90}" throughput --sections precisions ${BENCH_ARGS:---rounds 5}
+fi
+echo "runbook: $SECONDS s" | tee -a "$OUT/bench.log"
