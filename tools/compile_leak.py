@@ -77,6 +77,24 @@ def _unified_graph_break(x):
         return y.sum()
 
 
+def _redefined(block: str) -> Callable[[], Callable]:
+    """A graph break inside ``block``, in a function defined anew each cycle (new code),
+    as a notebook cell run again defines it."""
+    source = f"""
+def f(x):
+    with {block}:
+        y = torch.mm(x, x)
+        torch._dynamo.graph_break()
+        return y.sum()
+"""
+
+    def make() -> Callable:
+        scope = {"amp": amp, "torch": torch}
+        exec(compile(source, "<cell>", "exec"), scope)
+        return scope["f"]
+    return make
+
+
 def _decorated() -> Callable:
     @amp.autocast(dtype="bfloat16", device="cpu")
     def f(x):
@@ -126,6 +144,10 @@ FORMS = {f.name: f for f in (
     Form("block made outside", _made_outside),
     Form("torch.autocast, graph break inside", lambda: _native_graph_break),
     Form("amp.autocast, graph break inside", lambda: _unified_graph_break, quiet=True),
+    Form("torch.autocast, graph break, redefined",
+         _redefined('torch.autocast("cpu", dtype=torch.bfloat16)')),
+    Form("amp.autocast, graph break, redefined",
+         _redefined('amp.autocast(dtype="bfloat16", device="cpu")'), quiet=True),
     Form("torch.autocast CPU+CUDA (fake)", lambda: _native_cpu_and_cuda, _cpu_and_cuda),
     Form("amp.autocast CPU+CUDA (fake)", lambda: _unified_every_device, _cpu_and_cuda),
 )}
