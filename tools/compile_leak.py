@@ -216,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"torch {torch.__version__}, CPython {sys.version.split()[0]}: per cycle, after"
           f" {args.warmup} cycles of warm-up, average of {args.cycles}")
-    print(f"{'form':34} {'objects':>9} {'finalizers':>11}" + (f" {'bytes':>9}" if args.bytes else ""))
+    width = max(map(len, args.forms))
+    print(f"{'form':{width}} {'objects':>9} {'finalizers':>11}" + (f" {'bytes':>9}" if args.bytes else ""))
     for name in args.forms:
         left = measure(name, args.cycles, args.warmup, args.bytes)
-        line = f"{name:34} {left.objects:9.1f} {left.finalizers:11.1f}"
+        line = f"{name:{width}} {left.objects:9.1f} {left.finalizers:11.1f}"
         print(line + (f" {left.bytes:9.0f}" if left.bytes is not None else ""), flush=True)
     return 0
 
