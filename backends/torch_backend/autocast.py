@@ -338,7 +338,6 @@ def _warn_for_abandoned_codes() -> None:
 _trace_entered._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _trace_left._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _block_is_its_own_frame._dynamo_marked_constant = True  # type: ignore[attr-defined]
-autocast_dynamo.release_dead_guards._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _warn_if_dynamo_gave_up(frame: Any) -> None:

@@ -29,7 +29,7 @@ import functools
 import os
 import sys
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 
 def _wrap_existing_block(builder: Any, value: Any) -> Any:
@@ -88,9 +88,14 @@ _PACKAGE = __name__.split(".")[0]
 # lie elsewhere).
 _SOURCES = tuple(os.path.dirname(os.path.abspath(sys.modules[name].__file__ or "")) + os.sep
                  for name in (_PACKAGE, __name__.rsplit(".", 2)[0]))
-_dead_once: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_nothing: "weakref.ref[Any]" = lambda: None  # type: ignore[assignment]
-_last_swept = _nothing  # the compile that swept last
+_dead_once: "weakref.WeakSet[Any]" = weakref.WeakSet()  # compiles seen once without code
+
+
+def _nothing() -> None:
+    return None
+
+
+_last_swept: Callable[[], Any] = _nothing  # the compile that swept last (a weak reference)
 
 
 def _is_ours(obj: Any) -> bool:
@@ -99,7 +104,7 @@ def _is_ours(obj: Any) -> bool:
     if isinstance(obj, type(os)):
         return obj.__name__.split(".")[0] == _PACKAGE
     if isinstance(obj, type):
-        return obj.__module__.split(".")[0] == _PACKAGE
+        return str(getattr(obj, "__module__", "")).split(".")[0] == _PACKAGE
     if isinstance(obj, type(_is_ours.__code__)):
         return obj.co_filename.startswith(_SOURCES)
     return False
@@ -192,3 +197,8 @@ def release_dead_guards() -> None:
             continue
         for finalizer in finalizers:
             finalizer.detach()
+
+
+# Run as it is while dynamo traces (the marker torch.compiler.assume_constant_result
+# sets), never traced: it is called from a block's traced entry.
+release_dead_guards._dynamo_marked_constant = True  # type: ignore[attr-defined]
