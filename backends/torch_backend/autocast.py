@@ -429,6 +429,7 @@ class Autocasting(interface.Autocasting):
         devs = devices(device)
         if len(devs) != 1 or _contract_action(enabled, contract) or not _made_for_a_with_statement():
             return None
+        autocast_dynamo.release_dead_guards()
         return torch.autocast(devs[0], dtype=DTYPES[dtype or default_dtype(devs[0])],
                               enabled=enabled)
 
@@ -438,6 +439,7 @@ class Autocasting(interface.Autocasting):
         dtypes = [DTYPES[dtype or default_dtype(dev)] for dev in devs]
         action = _contract_action(enabled, contract)
         if torch.compiler.is_compiling():
+            autocast_dynamo.release_dead_guards()
             if _block_is_its_own_frame():
                 return _enter_eagerly(devs, dtypes, enabled, action)
             _trace_entered()

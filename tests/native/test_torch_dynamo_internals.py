@@ -95,6 +95,52 @@ def test_the_instruction_translator_the_adapter_reads_while_tracing():
     assert isinstance(seen["opname"], str)
 
 
+def _helper(x):
+    return x + 1
+
+
+def test_the_guard_finalizers_release_dead_guards_reads():
+    """autocast_dynamo.release_dead_guards finds dynamo's invalidation finalizers in
+    weakref.finalize's registry (a functools.partial of the guards' manager's bound
+    ``invalidate``), tells compiled code that is gone by its cache entry (None after a
+    reset, set while the code lives), and a frame by its globals. Any of these moved, it
+    releases nothing and the leak test fails; this names what moved."""
+    import weakref
+
+    from torch._guards import CompileContext
+
+    def managers_guarding(obj):
+        found = [autocast_dynamo._guard_manager_of(info)
+                 for info in weakref.finalize._registry.values() if info.weakref() is obj]
+        return [manager for manager in found if manager is not None]
+
+    seen = {}
+
+    def probe():
+        seen["context"] = CompileContext.try_get()
+        return 0
+
+    probe._dynamo_marked_constant = True
+
+    def g(x):
+        return _helper(x) + probe()
+
+    torch._dynamo.reset()
+    before = managers_guarding(_helper.__code__)
+    compiled = torch.compile(g, backend="eager")
+    compiled(torch.ones(1))
+    assert isinstance(seen["context"], CompileContext)
+    managers = [m for m in managers_guarding(_helper.__code__) if m not in before]
+    assert len(managers) == 1  # the code of a global function is matched by identity
+    manager = managers[0]
+    assert manager.guard_manager.cache_entry is not None
+    assert manager.guard_manager.global_scope["G"] is globals()
+    assert not autocast_dynamo._has_no_compiled_code(manager)
+    torch._dynamo.reset()
+    assert manager.guard_manager.cache_entry is None
+    assert autocast_dynamo._has_no_compiled_code(manager)
+
+
 @pytest.mark.parametrize("name", ["_amp_foreach_non_finite_check_and_unscale_",
                                   "_amp_update_scale_", "_foreach_add_", "_foreach_copy_"])
 def test_the_fused_kernels_the_scaler_and_opt_levels_call(name):
