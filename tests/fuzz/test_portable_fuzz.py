@@ -297,6 +297,63 @@ def load_megengines_states(seed: int, index: int, m: dict[str, Any], tally: Tall
         tally.loads += 1
 
 
+# Run in the MegEngine interpreter: loads the torch run's checkpoint (stdin) into
+# megengine.amp's scaler and ours, then saves one of its own run (steps and a skip).
+MEGENGINE_SIDE = """
+import json, sys
+import numpy as np, megengine, megengine.amp
+import unified_amp as amp
+saved = json.loads(sys.stdin.read())
+native = megengine.amp.GradScaler()
+native.load_state_dict(saved)
+ours = amp.GradScaler()
+ours.load_state_dict(saved)
+loaded = {"native": native.state_dict(), "ours": ours.state_dict()}
+w = megengine.Parameter(np.ones(2, np.float32))
+gm, scaler = amp.GradManager([w]), amp.GradScaler(init_scale=2.0**10, growth_interval=2)
+for bad in (False, True, False, False):
+    with gm:
+        scaler.backward(gm, (w * (float("inf") if bad else 1.0)).sum())
+    gm.zero_grad()
+print(json.dumps({**loaded, "saved": scaler.state_dict()}))
+"""
+
+
+def test_checkpoints_move_between_the_backends_and_into_both_frameworks_scalers():
+    """A torch run's checkpoint resumes in megengine.amp's own scaler and in ours on
+    MegEngine, and a MegEngine run's in torch.amp's and in ours on torch: each holds the
+    numbers (and ours the stats() counters) of the run that saved it."""
+    python = megengine_python()
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amp.GradScaler(init_scale=2.0**12, growth_interval=3)
+    for bad in (False, True, False, False, True):
+        loss = model(torch.ones(2, 3)).sum() * (float("inf") if bad else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    saved = scaler.state_dict()
+    assert (saved["steps"], saved["skipped_steps"], saved["scale"]) == (5, 2, 2.0**10)
+    env = {**os.environ, "UNIFIED_AMP_BACKEND": "megengine",
+           "MEGENGINE_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([python, "-c", MEGENGINE_SIDE], input=json.dumps(saved),
+                          text=True, capture_output=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    there = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert there["ours"] == saved
+    assert there["native"] == {k: saved[k] for k in there["native"]}
+    assert there["native"]["scale_factor"] == 2.0**10
+    theirs = there["saved"]
+    assert (theirs["steps"], theirs["skipped_steps"], theirs["scale"]) == (4, 1, 2.0**10)
+    native = torch.amp.GradScaler("cpu")
+    native.load_state_dict(theirs)
+    assert native.state_dict() == {k: theirs[k] for k in native.state_dict()}
+    ours = amp.GradScaler()
+    ours.load_state_dict(theirs)
+    assert ours.state_dict() == theirs
+
+
 @time_limit(0.5)
 def test_the_same_program_gives_the_same_outcome_on_both_backends(fuzz):
     python = megengine_python()

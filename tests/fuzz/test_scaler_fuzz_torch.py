@@ -32,6 +32,10 @@ OPTIMIZERS = {
 }
 
 
+TORCH_AMP_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                  "_growth_tracker")
+
+
 def make_program(seed: int, index: int) -> tuple[dict, list[tuple]]:
     rng = rng_for(seed, index, "torch-scaler")
     n_opt = rng.choice([1, 2])
@@ -159,8 +163,10 @@ class World:
 
     def snapshot(self) -> dict[str, Any]:
         s = self.scaler
+        # torch.amp's keys (ours also holds megengine.amp's and the stats() counters)
         snap: dict[str, Any] = {"scale": s.get_scale(), "enabled": s.is_enabled(),
-                                "state_dict": s.state_dict()}
+                                "state_dict": {k: v for k, v in s.state_dict().items()
+                                               if k in TORCH_AMP_KEYS}}
         snap["growth_tracker"] = s._get_growth_tracker()
         for i, p in enumerate(self.params()):
             snap[f"param {i}"] = p.detach().numpy().tobytes()

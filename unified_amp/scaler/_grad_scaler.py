@@ -396,20 +396,26 @@ class GradScaler:
 
     # -- checkpoints and pickling -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch.amp's keys, plain Python numbers, loadable by either backend; on
-        MegEngine also "scale_factor", so megengine.amp's scaler can load it too.
-        Empty when disabled (as torch.amp)."""
+        """Plain Python numbers, the same dict on both backends: torch.amp's keys
+        (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``), megengine.amp's ``scale_factor``, and the counters of
+        ``stats()`` (``steps``, ``skipped_steps``, ``last_step_skipped``), which both
+        frameworks' own scalers ignore: either loads it. Empty when disabled (as
+        torch.amp)."""
         m = self._m
         if not m.enabled:
             return {}
         m.refuse_in_trace("GradScaler.state_dict()", "read")
+        m.s.poll()  # the counters (device mode), then the scale and tracker themselves
         m.s.sync_from_device()
-        return m.s.state_dict(m.be().scale_key_aliases)
+        return m.s.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads a dict from ``state_dict()``, torch.amp's, or megengine.amp's
-        (``scale_factor``). A malformed dict raises ValueError (TypeError if it is no
-        mapping at all) and leaves the scaler unchanged. No-op when disabled."""
+        (``scale_factor``); the counters of ``stats()`` go on from the dict's where it
+        has them. A dict that cannot be loaded raises ``amp.StateDictError`` (also
+        each framework's own scaler's error type) and leaves the scaler unchanged.
+        No-op when disabled."""
         m = self._m
         if m.enabled:
             m.refuse_in_trace("GradScaler.load_state_dict()", "write")
