@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import _tracing, distributed
+from . import _overflowed, _tracing, distributed
 from ._registry import get_backend
 from .scaler._targets import params_of
 from .interface import DataParallelHooks, capability
@@ -161,6 +161,7 @@ class GradManager:
     def zero_grad(self) -> None:
         """Drops the accumulated gradients of every attached parameter (sets them to None)."""
         self._backend.drop_grads(self._params)
+        _overflowed.unmark(self._params)
 
 
 def _callbacks(callbacks: Any) -> list[Any]:
@@ -189,11 +190,17 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
 
     Returns:
         The total norm of the gradients before clipping, as a Python float (this reads
-        one number back from the device).
+        one number back from the device). inf where a GradScaler dropped the
+        gradients of an overflowed step (``scaler.backward(gm, loss)``,
+        ``scaler.unscale(gm)``), as torch's ``clip_grad_norm_`` says of the inf/NaN
+        gradients that torch.amp's ``unscale_`` keeps.
 
     Uses the framework's own clipping (``torch.nn.utils.clip_grad_norm_``,
-    ``megengine.optimizer.clip_grad_norm``), so results match theirs bit for bit. In
-    manual mode call it after ``scaler.unscale(...)``, so it sees true-scale gradients.
+    ``megengine.optimizer.clip_grad_norm``), so results match theirs bit for bit where
+    the norm is finite. A non-finite norm is returned and the gradients are left as
+    they are, on both backends (the step that follows is skipped; torch's own clip
+    would make every gradient NaN, MegEngine's only some). In manual mode call it after
+    ``scaler.unscale(...)``, so it sees true-scale gradients.
 
     Raises:
         UnsupportedTraceError: inside ``megengine.jit.trace``, where the norm cannot be
@@ -217,6 +224,8 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
         raise _tracing.refuse(backend, "amp.clip_grad_norm()", "clip")
     params = params_of(target, backend, "clip_grad_norm()")
     distributed.note_module(backend, target)
+    if _overflowed.dropped(params):
+        return math.inf
     if backend.is_module(target):
         hooks = capability(backend, DataParallelHooks)
         norm = None if hooks is None else hooks.module_clip_grad_norm(

@@ -1,6 +1,7 @@
 """GradScaler on the real backends: trajectories, skipping, accumulation, clipping,
 several optimizers, checkpoints and the disabled pass-through."""
 
+import math
 import pickle
 
 import numpy as np
@@ -132,6 +133,52 @@ def test_clipping_after_unscale_sees_true_scale_gradients(kit, device):
     assert abs(clipped - true_norm / 2) / true_norm < 1e-3
     scaler.step(opt)
     scaler.update()
+
+
+@pytest.mark.parametrize("form", ["automatic", "manual"])
+def test_clip_grad_norm_shows_the_overflow_that_dropped_the_gradients(kit, device, form):
+    """scaler.backward(gm, loss) and scaler.unscale(gm) drop overflowed gradients (so
+    that any optimizer step skips): clip_grad_norm then says inf, as torch's
+    clip_grad_norm_ says of the gradients it keeps, not the 0.0 of no gradients."""
+    p = Problem(kit, device)
+    gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.1)
+    scaler = amp.GradScaler(init_scale=2.0**10)
+
+    def backward(overflow):
+        with amp.autocast(dtype="float16", device=device):
+            with gm:
+                if form == "automatic":
+                    scaler.backward(gm, p.loss(overflow))
+                else:
+                    gm.backward(scaler.scale(p.loss(overflow)))
+        if form == "manual":
+            scaler.unscale(gm)
+
+    backward(overflow=True)
+    assert all(kit.grad(q) is None for q in p.params)  # dropped
+    for target in (gm, p.params, opt):
+        assert amp.clip_grad_norm(target, max_norm=1.0) == math.inf
+    if form == "manual":
+        scaler.update()
+    gm.zero_grad()  # gradients cleared on purpose: nothing to report any more
+    assert amp.clip_grad_norm(gm, max_norm=1.0) == 0.0
+    backward(overflow=True)
+    if form == "manual":
+        scaler.update()
+    backward(overflow=False)  # the next step's gradients, clean: its own norm
+    assert 0.0 < amp.clip_grad_norm(gm, max_norm=1.0) < 50.0
+
+
+def test_clip_grad_norm_of_non_finite_gradients_leaves_them_as_they_are(kit, device):
+    """A non-finite norm is returned as it is, and the gradients are left alone (the
+    step that follows is skipped): torch's own clip would turn them all into NaN,
+    MegEngine's some of them, so the two backends would hold different gradients."""
+    w = kit.param(np.ones(3, np.float32), device)
+    for grad, expected in (([np.inf, 1.0, -2.0], math.inf), ([np.nan, np.inf, 1.0], "nan")):
+        kit.set_grad(w, np.array(grad, np.float32))
+        norm = amp.clip_grad_norm([w], max_norm=1.0)
+        assert norm == expected if expected == math.inf else math.isnan(norm)
+        assert bits([kit.grad(w)]) == bits([np.array(grad, np.float32)])
 
 
 def test_gan_step_two_optimizers_one_scaler(kit, device):

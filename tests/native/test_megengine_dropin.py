@@ -195,6 +195,22 @@ def test_checkpoints_move_both_ways_between_the_scalers():
     assert back.state_dict() == ours.state_dict()
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.1, 100.0])
+def test_clip_grad_norm_is_megengines_bit_for_bit_on_finite_gradients(norm_type, max_norm):
+    def params():
+        rng = np.random.RandomState(3)
+        ps = [mge.Parameter(np.zeros(s, np.float32)) for s in ((4, 3), (3,), (5,))]
+        for p in ps:
+            p.grad = mge.tensor((rng.randn(*p.shape) * 3).astype(np.float32))
+        return ps
+
+    theirs, ours = params(), params()
+    norm = optim.clip_grad_norm(theirs, max_norm, ord=norm_type)
+    assert unified_amp.clip_grad_norm(ours, max_norm, norm_type) == float(norm.item())
+    assert all(np.array_equal(a.grad.numpy(), b.grad.numpy()) for a, b in zip(theirs, ours))
+
+
 def test_megengine_amp_resumes_from_a_checkpoint_of_a_run_with_ours():
     """After steps and skips: megengine.amp's own scaler loads ours, which holds its
     "scale_factor" beside torch.amp's "scale" (the same dict on both backends)."""

@@ -146,6 +146,22 @@ def test_a_bad_state_dict_raises_torch_amps_type(bad):
     assert isinstance(ours.value, type(native.value)), (native.value, ours.value)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.1, 100.0])
+def test_clip_grad_norm_is_torchs_bit_for_bit_on_finite_gradients(norm_type, max_norm):
+    def params():
+        g = torch.Generator().manual_seed(3)
+        ps = [torch.nn.Parameter(torch.zeros(s)) for s in ((4, 3), (3,), (5,))]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g) * 3
+        return ps
+
+    theirs, ours = params(), params()
+    norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+    assert unified_amp.clip_grad_norm(ours, max_norm, norm_type) == float(norm)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(theirs, ours))
+
+
 def test_unified_amp_never_touches_torch_autocast_dispatch():
     """The dtype contract lives on torch's function-mode stack, not in torch's dispatcher:
     neither the scaler nor an enabled unified block registers a kernel, so plain

@@ -288,6 +288,8 @@ class GradScaler:
         m = self._m
         m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
         m.it.handout.handed(None)
+        if m.dropped:
+            m.forget_dropped()
         return self.get_scale()
 
     @scale_factor.setter

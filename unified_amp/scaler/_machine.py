@@ -23,7 +23,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
-from .. import _tracing, distributed
+from .. import _overflowed, _tracing, distributed
 from .._registry import get_backend
 from ..errors import ScalerStateError
 from ._forensics import Forensics, _user_stacklevel
@@ -188,6 +188,9 @@ class ScalerMachine:
         self.ledger = GradLedger()
         self.forensics = Forensics(self, enabled)
         self.updated_by_backward = False  # the last update() was backward()'s own
+        # parameters whose gradients an overflow dropped, marked for clip_grad_norm
+        # until the scale goes out again (_overflowed.py)
+        self.dropped: list[Any] = []
         # optimizer id -> the checks behind its last step after backward()'s update()
         self.tail: dict[int, list[Check]] = {}
         self.optimizer_params = OptimizerParams()
@@ -226,6 +229,18 @@ class ScalerMachine:
     def current_scale(self) -> float:
         self.s.sync_from_device()
         return self.s.value
+
+    def drop(self, params: list[Any]) -> None:
+        """Drops the gradients of ``params`` (an overflow) and marks them for
+        clip_grad_norm, until the scale goes out again (``forget_dropped``)."""
+        self.be().drop_grads(params)
+        _overflowed.mark(params)
+        self.dropped.extend(params)
+
+    def forget_dropped(self) -> None:
+        """The scale goes out for new gradients: the dropped ones are no longer news."""
+        _overflowed.unmark(self.dropped)
+        self.dropped = []
 
     def new_iteration(self) -> None:
         self.it = Iteration()
