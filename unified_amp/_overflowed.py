@@ -30,6 +30,27 @@ def unmark(params: Iterable[Any]) -> None:
             delattr(p, _MARK)
 
 
+class Dropped:
+    """The parameters one scaler marked, until it hands its scale out again."""
+
+    __slots__ = ("params",)
+
+    def __init__(self) -> None:
+        self.params: list[Any] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.params)
+
+    def add(self, params: list[Any]) -> None:
+        mark(params)
+        self.params.extend(params)
+
+    def forget(self) -> None:
+        """The scale goes out for new gradients: the dropped ones are no longer news."""
+        unmark(self.params)
+        self.params = []
+
+
 def dropped(params: Iterable[Any]) -> bool:
     """Whether an overflow dropped the gradient of one of ``params`` (still None)."""
     return any(p.grad is None and getattr(p, _MARK, False) for p in params)

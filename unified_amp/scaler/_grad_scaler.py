@@ -288,8 +288,7 @@ class GradScaler:
         m = self._m
         m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
         m.it.handout.handed(None)
-        if m.dropped:
-            m.forget_dropped()
+        m.dropped.forget()
         return self.get_scale()
 
     @scale_factor.setter
@@ -398,25 +397,20 @@ class GradScaler:
 
     # -- checkpoints and pickling -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain Python numbers, the same dict on both backends: torch.amp's keys
-        (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker``), megengine.amp's ``scale_factor``, and the counters of
-        ``stats()`` (``steps``, ``skipped_steps``, ``last_step_skipped``), which both
-        frameworks' own scalers ignore: either loads it. Empty when disabled (as
-        torch.amp)."""
+        """Plain Python numbers, the same dict on both backends: torch.amp's keys,
+        megengine.amp's ``scale_factor`` and ``stats()``'s counters (``steps``,
+        ``skipped_steps``, ``last_step_skipped``), so that either framework's own
+        scaler loads it too. Empty when disabled (as torch.amp)."""
         m = self._m
         if not m.enabled:
             return {}
         m.refuse_in_trace("GradScaler.state_dict()", "read")
-        m.s.poll()  # the counters (device mode), then the scale and tracker themselves
-        m.s.sync_from_device()
         return m.s.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Loads a dict from ``state_dict()``, torch.amp's, or megengine.amp's
-        (``scale_factor``); the counters of ``stats()`` go on from the dict's where it
-        has them. A dict that cannot be loaded raises ``amp.StateDictError`` (also
-        each framework's own scaler's error type) and leaves the scaler unchanged.
+        """Loads a dict from ``state_dict()``, torch.amp's or megengine.amp's (then
+        ``stats()``'s counters stay as they are). One it cannot load raises
+        ``amp.StateDictError`` (also the natives' error types) and changes nothing.
         No-op when disabled."""
         m = self._m
         if m.enabled:

@@ -188,9 +188,7 @@ class ScalerMachine:
         self.ledger = GradLedger()
         self.forensics = Forensics(self, enabled)
         self.updated_by_backward = False  # the last update() was backward()'s own
-        # parameters whose gradients an overflow dropped, marked for clip_grad_norm
-        # until the scale goes out again (_overflowed.py)
-        self.dropped: list[Any] = []
+        self.dropped = _overflowed.Dropped()  # for clip_grad_norm, till the next scale
         # optimizer id -> the checks behind its last step after backward()'s update()
         self.tail: dict[int, list[Check]] = {}
         self.optimizer_params = OptimizerParams()
@@ -229,18 +227,6 @@ class ScalerMachine:
     def current_scale(self) -> float:
         self.s.sync_from_device()
         return self.s.value
-
-    def drop(self, params: list[Any]) -> None:
-        """Drops the gradients of ``params`` (an overflow) and marks them for
-        clip_grad_norm, until the scale goes out again (``forget_dropped``)."""
-        self.be().drop_grads(params)
-        _overflowed.mark(params)
-        self.dropped.extend(params)
-
-    def forget_dropped(self) -> None:
-        """The scale goes out for new gradients: the dropped ones are no longer news."""
-        _overflowed.unmark(self.dropped)
-        self.dropped = []
 
     def new_iteration(self) -> None:
         self.it = Iteration()

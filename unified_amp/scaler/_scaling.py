@@ -33,7 +33,7 @@ def scale(m: ScalerMachine, outputs: Any) -> Any:
         return _scaled(m, outputs, "outputs", caps)
     # The usual call, one loss, written out: it runs every step.
     if m.dropped:
-        m.forget_dropped()
+        m.dropped.forget()
     m.forensics.loss = outputs
     dev = m.s.dev
     out = dev.scale(outputs) if dev is not None else caps.backend.scale(outputs,
@@ -48,7 +48,7 @@ def _scaled(m: ScalerMachine, val: Any, where: str, caps: Caps) -> Any:
     if not backend.is_tensor(val):
         return each_tensor(val, where, lambda v, w: _scaled(m, v, w, caps), backend)
     if m.dropped:
-        m.forget_dropped()
+        m.dropped.forget()
     dev = m.s.dev
     out = dev.scale(val) if dev is not None else backend.scale(val, m.s.value)
     m.it.handout.handed(None if caps.probes is None else caps.probes.backward_token(out))
@@ -64,7 +64,7 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
     update."""
     caps, s, it = m.caps, m.s, m.it
     if m.dropped:
-        m.forget_dropped()
+        m.dropped.forget()
     tracer = caps.tracer
     if (not (unscale_grad and update_scale) or dy is not None or s.dev is not None
             or (tracer is not None and tracer.trace_mode() is not None)
@@ -97,7 +97,8 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
         found = check.verdict(backend.flag_is_set)  # the one sync
         check.flag = None  # read: the verdict is all that is needed of it from now on
         if found:
-            m.drop(pending)
+            backend.drop_grads(pending)
+            m.dropped.add(pending)
             grads = [None] * len(pending)
             m.forensics.overflowed_without_update(it.overflows(), s.value)
         if it.handout.watched:
@@ -214,7 +215,8 @@ def unscale(m: ScalerMachine, target: Any, what: str, drop: bool,
     check = m.check(pending, grads=grads, idle=idle, agreement=agreement,
                        unscale=unscale, read=drop)
     if drop and check.found:
-        m.drop(pending)
+        backend.drop_grads(pending)
+        m.dropped.add(pending)
         grads = [None] * len(pending)
         m.forensics.overflowed_without_update(m.it.overflows(),
                                                  m.s.value)

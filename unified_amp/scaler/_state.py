@@ -145,7 +145,10 @@ class ScaleState:
     def state_dict(self) -> dict[str, Any]:
         """torch.amp's five keys in its order, megengine.amp's "scale_factor" (the same
         number) after "scale", and the telemetry's counters: the same dict on both
-        backends, which either framework's own scaler loads (each reads its keys)."""
+        backends, which either framework's own scaler loads (each reads its keys).
+        Reads the device-resident values back (a sync, as torch.amp's is)."""
+        self.poll()  # the counters (device mode), then the scale and tracker themselves
+        self.sync_from_device()
         return {
             "scale": self.value,
             "scale_factor": self.value,
