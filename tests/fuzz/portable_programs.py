@@ -35,6 +35,8 @@ import numpy as np
 
 import unified_amp as amp
 
+from .scaler_fuzz_common import misuse
+
 SALT = "portable"
 MAX_CALLS = 20
 # Cross-backend: the frameworks' float16 kernels round differently in the last bits.
@@ -123,21 +125,11 @@ def _iteration(rng: random.Random) -> list[list[Any]]:
     if rng.random() < 0.2:
         it.append(["roundtrip", rng.choice(["own", "other"])])
     it.append(["zero_grad", rng.choice(["gm", "opt"])])
-    for _ in range(rng.choice([0, 0, 0, 1, 2])):  # misuse
-        j = rng.randrange(len(it))
-        action = rng.choice(["drop", "repeat", "move", "insert"])
-        if action == "insert":
-            it.insert(j, rng.choice([
-                ["unscale", "gm"], ["update", None], ["step"], ["opt_step"],
-                _block(rng), ["roundtrip", "own"], ["zero_grad", "gm"],
-                ["load_bad", rng.choice(["empty", "missing", "not-a-dict", "bad-value"])],
-                ["clip", 1.0, "gm"]]))
-        elif action == "drop":
-            it.pop(j)
-        elif action == "repeat":
-            it.insert(j, it[j])
-        else:
-            it.insert(rng.randrange(len(it)), it.pop(j))
+    misuse(rng, it, lambda: rng.choice([
+        ["unscale", "gm"], ["update", None], ["step"], ["opt_step"], _block(rng),
+        ["roundtrip", "own"], ["zero_grad", "gm"],
+        ["load_bad", rng.choice(["empty", "missing", "not-a-dict", "bad-value"])],
+        ["clip", 1.0, "gm"]]))
     return it
 
 

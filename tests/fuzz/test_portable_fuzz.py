@@ -23,10 +23,8 @@ the test says so as its skip reason.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import tempfile
@@ -39,7 +37,7 @@ import torch
 import unified_amp as amp
 
 from .portable_programs import ATOL, RTOL, World, make_program, run_program
-from .scaler_fuzz_common import DROP_IN, time_limit
+from .scaler_fuzz_common import table, time_limit
 
 ENV = "UNIFIED_AMP_MEGENGINE_PYTHON"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,23 +55,8 @@ class Parting:
 
 def partings() -> dict[str, Parting]:
     """DROP_IN.md's table under HEADING: | id | refuses | call | message |."""
-    text = DROP_IN.read_text()
-    if HEADING not in text:
-        raise AssertionError(f"{DROP_IN} has no section {HEADING!r}: the cross-backend"
-                             f" fuzz reads its deliberate differences from there")
-    rows: dict[str, Parting] = {}
-    for line in text.split(HEADING, 1)[1].splitlines()[1:]:
-        if line.startswith("#"):
-            break
-        if not line.startswith("| `"):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4:
-            raise AssertionError(f"DROP_IN.md: a row of {HEADING!r} needs 4 cells: {line!r}")
-        fragment = re.findall(r"`([^`]*)`", cells[3])
-        rows[cells[0].strip("`")] = Parting(cells[0].strip("`"), cells[1],
-                                            fragment[0] if fragment else "")
-    return rows
+    return {ident: Parting(ident, cells[1], fragment)
+            for ident, cells, fragment in table(HEADING, 4)}
 
 
 def _fp16_into(call: list[Any], where: tuple[str, ...]) -> bool:
@@ -93,20 +76,20 @@ CONDITIONS: dict[str, Callable[[list[Any]], bool]] = {
 
 
 def test_the_table_is_there_and_each_row_has_a_situation():
-    table = partings()
-    assert set(table) == set(CONDITIONS), (
-        f"{HEADING!r} lists {sorted(table)}; this fuzz knows the situations of"
+    listed = partings()
+    assert set(listed) == set(CONDITIONS), (
+        f"{HEADING!r} lists {sorted(listed)}; this fuzz knows the situations of"
         f" {sorted(CONDITIONS)}: give each row its condition here")
-    for p in table.values():
+    for p in listed.values():
         assert p.refuses in ("torch", "megengine"), p
         assert len(p.fragment) >= 15, f"{p.id}: quote a distinctive piece of the message"
 
 
 # -- comparing two traces ------------------------------------------------------------------
-def _numbers_part(table: dict[str, Parting], call: list[Any]) -> None:
-    """Both went on, and the numbers differ: Parted where a row's situation is the
-    call's (the rows say what differs there), else nothing (the caller fails)."""
-    for p in table.values():
+def _numbers_part(listed: dict[str, Parting], call: list[Any]) -> None:
+    """The numbers differ: Parted where a row's situation is the call's (the rows say
+    what differs there), else nothing (the caller fails)."""
+    for p in listed.values():
         if CONDITIONS[p.id](call):
             raise Parted(p)
 
@@ -161,7 +144,7 @@ def _native_keys(native: Any, state: dict[str, Any]) -> str | None:
 
 
 def compare(seed: int, index: int, t: dict[str, Any], m: dict[str, Any],
-            table: dict[str, Parting], tally: Tally) -> None:
+            listed: dict[str, Parting], tally: Tally) -> None:
     config, calls = make_program(seed, index)
     tally.programs += 1
 
@@ -172,29 +155,34 @@ def compare(seed: int, index: int, t: dict[str, Any], m: dict[str, Any],
 
     def same(k: int, what: str, a: Any, b: Any, ok: bool | None = None) -> None:
         if not (a == b if ok is None else ok):
-            _numbers_part(table, calls[k])
+            _numbers_part(listed, calls[k])
             raise AssertionError(f"{where(k)}\nthe backends differ in {what}: torch {a!r},"
                                  f" megengine {b!r}")
 
-    same(-1 if False else 0, "the starting weights", t["start"]["weights"],
-         m["start"]["weights"]) if calls else None
+    if calls:
+        same(0, "the starting weights", t["start"]["weights"], m["start"]["weights"])
+    assert len(t["calls"]) == len(m["calls"]) == len(calls), (seed, index)
     prev_t, prev_m = t["start"]["weights"], m["start"]["weights"]
     try:
         for k, (a, b) in enumerate(zip(t["calls"], m["calls"])):
             tally.calls += 1
             if a["outcome"] != b["outcome"]:
-                _parting(table, a, b, calls[k], lambda: where(k))
+                _parting(listed, a, b, calls[k], lambda: where(k))
             if a["outcome"] != "ok":
                 tally.both_refused += 1
                 same(k, "whether the error is unified_amp's", a["unified"], b["unified"])
             else:
                 tally.compared += 1
             if calls[k][0] == "load_bad":
-                for side in (a, b):
-                    if side["outcome"] != "ok" and side["native_refusal"] != "accepted":
-                        same(k, "being the framework's own scaler's error type",
-                             True, side.get("native_type"))
-                    same(k, "the scaler unchanged by a refused load", True, side["unchanged"])
+                for side, name in ((a, "torch"), (b, "megengine")):
+                    if side["outcome"] != "ok" and side["native_refusal"] != "accepted" \
+                            and not side["native_type"]:
+                        raise AssertionError(
+                            f"{where(k)}\non {name}, ours raised {side['outcome']}, which is"
+                            f" no {side['native_refusal']} as the framework's own scaler's")
+                    if not side["unchanged"]:
+                        raise AssertionError(f"{where(k)}\non {name}, a refused load"
+                                             f" changed the scaler")
             same(k, "the forward's dtypes", a["dtypes"], b["dtypes"])
             same(k, "stats()", a["stats"], b["stats"])
             same(k, "warnings", a["warnings"], b["warnings"])
@@ -223,13 +211,13 @@ def compare(seed: int, index: int, t: dict[str, Any], m: dict[str, Any],
         tally.parted[parted.parting.id] = tally.parted.get(parted.parting.id, 0) + 1
 
 
-def _parting(table: dict[str, Parting], a: dict[str, Any], b: dict[str, Any],
+def _parting(listed: dict[str, Parting], a: dict[str, Any], b: dict[str, Any],
              call: list[Any], where: Callable[[], str]) -> None:
     """Raises Parted at a listed row, AssertionError otherwise."""
     for side, record in (("torch", a), ("megengine", b)):
         if record["outcome"] == "ok":
             continue
-        for p in table.values():
+        for p in listed.values():
             if p.refuses == side and p.fragment in record["message"] and \
                     CONDITIONS[p.id](call):
                 raise Parted(p)
@@ -357,7 +345,7 @@ def test_checkpoints_move_between_the_backends_and_into_both_frameworks_scalers(
 def test_the_same_program_gives_the_same_outcome_on_both_backends(fuzz):
     python = megengine_python()
     assert amp.get_backend().name == "torch"
-    table = partings()
+    listed = partings()
     tally = Tally()
     indices = list(fuzz.programs(60))
     for start in range(0, len(indices), CHUNK):
@@ -365,7 +353,7 @@ def test_the_same_program_gives_the_same_outcome_on_both_backends(fuzz):
         ours = {i: run_program(fuzz.seed, i) for i in chunk}
         theirs = run_megengine(python, fuzz.seed, [(i, _states(ours[i])) for i in chunk])
         for i, m in zip(chunk, theirs):
-            compare(fuzz.seed, i, ours[i], m, table, tally)
+            compare(fuzz.seed, i, ours[i], m, listed, tally)
             load_megengines_states(fuzz.seed, i, m, tally)
     print(f"\ncross-backend fuzz, seed {fuzz.seed}: {tally.line()}", file=sys.stderr)
     assert tally.compared > tally.calls // 3, tally.line()  # the programs do get far

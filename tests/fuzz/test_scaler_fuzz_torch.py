@@ -14,8 +14,8 @@ import torch
 
 import unified_amp as amp
 
-from .scaler_fuzz_common import (Parted, Tally, differences, first_difference, rng_for,
-                                 run_call, time_limit)
+from .scaler_fuzz_common import (Parted, Tally, differences, first_difference, misuse,
+                                 rng_for, run_call, time_limit)
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
@@ -71,20 +71,13 @@ def make_program(seed: int, index: int) -> tuple[dict, list[tuple]]:
         for k in range(n_opt):
             it.append(("zero_grad", k, rng.random() < 0.8))
         # misuse: drop, repeat or move a call now and then
-        for _ in range(rng.choice([0, 0, 0, 1, 2])):
-            j = rng.randrange(len(it))
-            action = rng.choice(["drop", "repeat", "move", "insert"])
-            if action == "insert":  # a call out of place: one more unscale_, step, ...
-                k = rng.randrange(n_opt)
-                it.insert(j, rng.choice([("unscale_", k), ("step", k), ("update", None),
-                                         ("backward", "both", None, "scale", 7),
-                                         ("roundtrip",), ("zero_grad", k, False)]))
-            elif action == "drop":
-                it.pop(j)
-            elif action == "repeat":
-                it.insert(j, it[j])
-            else:
-                it.insert(rng.randrange(len(it)), it.pop(j))
+        def out_of_place() -> tuple:  # one more unscale_, step, ...
+            k = rng.randrange(n_opt)
+            return rng.choice([("unscale_", k), ("step", k), ("update", None),
+                               ("backward", "both", None, "scale", 7), ("roundtrip",),
+                               ("zero_grad", k, False)])
+
+        misuse(rng, it, out_of_place)
         calls.extend(it)
     return config, calls[: rng.randint(1, 24)]
 
