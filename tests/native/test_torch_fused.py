@@ -172,6 +172,8 @@ def test_device_mode_counters_travel_in_the_state_dict():
     assert [resumed.stats()[k] for k in counters] == [5, 3, True, 5, 8.0]
     step(resumed, model, opt)
     assert [resumed.stats()[k] for k in counters] == [6, 3, False, 6, 8.0]
+    resumed.scale_factor = 2.0  # set on the device, with no update (no telemetry) since
+    assert (resumed.state_dict()["scale"], resumed.state_dict()["steps"]) == (2.0, 6)
 
 
 def test_telemetry_snapshots_do_not_pile_up_without_stats_calls():

@@ -147,8 +147,14 @@ class ScaleState:
         number) after "scale", and the telemetry's counters: the same dict on both
         backends, which either framework's own scaler loads (each reads its keys).
         Reads the device-resident values back (a sync, as torch.amp's is)."""
-        self.poll()  # the counters (device mode), then the scale and tracker themselves
-        self.sync_from_device()
+        if self.dev is not None:
+            # The read waits for the device, so every telemetry copy queued before it
+            # has landed: the counters come from the newest, the scale and tracker from
+            # the read (a scale set since the last update has no telemetry copy).
+            self.sync_from_device()
+            value, tracker = self.value, self.tracker
+            self.poll()
+            self.value, self.tracker = value, tracker
         return {
             "scale": self.value,
             "scale_factor": self.value,
