@@ -72,13 +72,17 @@ def make_program(seed: int, index: int) -> tuple[dict[str, Any], list[list[Any]]
 
 
 def _block(rng: random.Random, backward: str | None = None) -> list[Any]:
+    """A ``with gm:`` block; ``backward``: the iteration's form, which one block in ten
+    swaps for any (a forgotten scale(), the framework's own backward, none, ...)."""
+    if backward is None or rng.random() < 0.1:
+        backward = rng.choice(BACKWARDS)
     return ["block",
             rng.choice(FORWARDS["first"]), rng.choice(FORWARDS["second"]),
             rng.choice([None, "float32", "float32", "float32"]),  # a cast between the layers
             rng.choice(["both"] * 9 + ["first"]),  # "first": the loss skips l2
             rng.random() < 0.7,  # the loss in float32
             rng.choice([None] * 7 + ["inf", "nan", "loss-inf"]),
-            backward or rng.choice(BACKWARDS),
+            backward,
             rng.randrange(1 << 16)]
 
 
