@@ -114,6 +114,11 @@ from_base = $(1)/bin/python -c 'import sys, $(2) as m; sys.exit(None if "/$(3)/"
 # logger), when there is no CUDA driver; on a CPU machine they only say it runs on CPU.
 CUDA_STUB_NOISE := ^(info: \+|debug: failed to load cuda func: )
 
+# The cross-backend fuzz (tests/fuzz/test_portable_fuzz.py) runs in torch's run and
+# starts MegEngine's interpreter, named here when both backends are selected; the test
+# fails if it is named and missing, and says why it cannot run where it is not named.
+CROSS_ENV := $(if $(and $(filter torch,$(TEST_BACKENDS)),$(filter megengine,$(TEST_BACKENDS))),UNIFIED_AMP_MEGENGINE_PYTHON=$(VENV_megengine)/bin/python)
+
 .PHONY: fuzz test test-oldest test-matrix test-integrations demo bench cifar typecheck env-torch env-megengine unknown-backend clean
 
 $(VENV_torch)/.ready: pyproject.toml constraints/torch.txt
@@ -193,7 +198,7 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	@mkdir -p $(LOGDIR); status=0; \
 	for b in $(TEST_BACKENDS); do \
 	  echo; echo "================ backend: $$b ================"; \
-	  UNIFIED_AMP_BACKEND=$$b MEGENGINE_LOGGING_LEVEL=ERROR .venv-$$b/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	  UNIFIED_AMP_BACKEND=$$b $(CROSS_ENV) MEGENGINE_LOGGING_LEVEL=ERROR .venv-$$b/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
 	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; } | tee $(LOGDIR)/$$b.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	done; \
@@ -214,7 +219,7 @@ SEED ?= 0
 fuzz: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))/.ready))
 	@status=0; for b in $(TEST_BACKENDS); do \
 	  echo; echo "================ fuzz: $$b, $(PROGRAMS) programs per test from seed $(SEED) ================"; \
-	  UNIFIED_AMP_BACKEND=$$b UNIFIED_AMP_FUZZ_PROGRAMS=$(PROGRAMS) UNIFIED_AMP_FUZZ_SEED=$(SEED) MEGENGINE_LOGGING_LEVEL=ERROR \
+	  UNIFIED_AMP_BACKEND=$$b $(CROSS_ENV) UNIFIED_AMP_FUZZ_PROGRAMS=$(PROGRAMS) UNIFIED_AMP_FUZZ_SEED=$(SEED) MEGENGINE_LOGGING_LEVEL=ERROR \
 	    .venv-$$b/bin/python -m pytest tests/fuzz -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
 	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; }; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \

@@ -91,6 +91,11 @@ PRELUDES: dict[str, dict[str, str]] = {
     # Batches to loop over (after "model").
     "data": {b: "loader = micro_batches = [(x, y), (x, y)]" for b in BACKENDS},
     "gm": {b: "gm = amp.GradManager(model.parameters())" for b in BACKENDS},
+    # An LR schedule (after "model"): the same class and arguments on both.
+    "sched": {
+        "torch": "sched = torch.optim.lr_scheduler.MultiStepLR(opt, [5, 10, 15], 0.5)",
+        "megengine": "sched = megengine.optimizer.MultiStepLR(opt, [5, 10, 15], 0.5)",
+    },
     "scaler": {b: "scaler = amp.GradScaler()" for b in BACKENDS},
     # "after initialize" (after "model"), at O2 as APEX.md's first example.
     "initialized": {b: 'model, optimizer = amp.initialize(model, optimizer, opt_level="O2")'
@@ -184,12 +189,35 @@ PRELUDES: dict[str, dict[str, str]] = {
 }
 
 
+def _sched_steps(sched) -> int:
+    """How often an LR scheduler was stepped (torch's last_epoch, MegEngine's
+    current_epoch)."""
+    return getattr(sched, "last_epoch", None) if ACTIVE == "torch" else sched.current_epoch
+
+
 def _trains(ns: dict) -> None:
-    """README's step: 20 finite losses that fall, 20 scaler steps, autocast off after."""
+    """README's step: 20 finite losses that fall, 20 scaler steps, autocast off after;
+    the scheduler stepped with the optimizer only, also through a planted overflow."""
     losses = ns["losses"]
     assert len(losses) == 20 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.8 * losses[0]
-    assert ns["scaler"].stats()["steps"] == 20
+    stats = ns["scaler"].stats()
+    assert stats["steps"] == 20
+    _scheduled(ns)
+    sched, before = ns["sched"], _sched_steps(ns["sched"])
+    weights = _weights(ns)
+    ns["train_step"](ns["model"], ns["loss_fn"], ns["opt"], sched, ns["gm"], ns["scaler"],
+                     ns["x"] * float("inf"), ns["y"])  # an overflow: a skipped step
+    assert ns["scaler"].stats()["last_step_skipped"] and _weights(ns) == weights
+    assert _sched_steps(sched) == before, "the schedule moved on a skipped step"
+
+
+def _scheduled(ns: dict) -> None:
+    """A loop that steps an LR schedule: the scheduler stepped once per optimizer step
+    that the scaler did not skip."""
+    stats = ns["scaler"].stats()
+    assert stats["steps"] >= 1
+    assert _sched_steps(ns["sched"]) == stats["steps"] - stats["skipped_steps"]
 
 
 def _compiled_calls(ns: dict) -> None:
@@ -215,7 +243,7 @@ def _stepped(ns: dict) -> None:
 NEEDS: dict[str, tuple[Callable[[], bool], str]] = {}
 
 THEN = {"trains": _trains, "compiled_calls": _compiled_calls,
-        "traced_steps": _traced_steps, "stepped": _stepped}
+        "traced_steps": _traced_steps, "stepped": _stepped, "scheduled": _scheduled}
 
 
 @dataclass

@@ -56,6 +56,19 @@ def test_backends_torch_needs_nothing_of_megengine():
     assert ".venv-megengine" not in proc.stdout and "/no/python3.10" not in proc.stdout
 
 
+@pytest.mark.parametrize("target", ["test", "fuzz"])
+def test_the_cross_backend_fuzz_gets_megengines_interpreter_when_both_run(target):
+    """tests/fuzz/test_portable_fuzz.py runs in torch's run and starts MegEngine's
+    interpreter: named with both backends (then a missing one fails the test), not
+    with one (then the test says why it cannot run)."""
+    both = make("-n", target)
+    assert both.returncode == 0, both.stderr
+    assert "UNIFIED_AMP_MEGENGINE_PYTHON=.venv-megengine/bin/python" in both.stdout
+    alone = make("-n", target, "BACKENDS=torch", "PY_MGE=/no/python3.10")
+    assert alone.returncode == 0, alone.stderr
+    assert "UNIFIED_AMP_MEGENGINE_PYTHON" not in alone.stdout
+
+
 def test_unknown_name_in_backends_stops_make_test_integrations():
     proc = make("test-integrations", BACKENDS="torch jax")
     assert proc.returncode != 0

@@ -46,11 +46,10 @@ def test_a_scaler_pickled_before_the_split_loads_with_its_settings():
     # amp.GradScaler() makes the CUDA subclass, it stays what was saved.
     assert type(scaler) is type(amp.GradScaler(device="cpu"))
     assert isinstance(scaler, amp.GradScaler)
-    state = scaler.state_dict()
-    assert state.pop("scale_factor", state["scale"]) == state["scale"]  # MegEngine's name
-    assert state == {"scale": 1024.0, "growth_factor": 2.0,
-                                   "backoff_factor": 0.25, "growth_interval": 7,
-                                   "_growth_tracker": 0}
+    assert scaler.state_dict() == {"scale": 1024.0, "scale_factor": 1024.0,
+                                   "growth_factor": 2.0, "backoff_factor": 0.25,
+                                   "growth_interval": 7, "_growth_tracker": 0, "steps": 0,
+                                   "skipped_steps": 0, "last_step_skipped": False}
     # And a new pickle names the class by the same path, so the old code loads it too.
     again = pickle.dumps(scaler)
     module = type(scaler).__module__.encode()

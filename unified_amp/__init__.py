@@ -28,8 +28,10 @@ from .apex.cast_registry import (
 from .errors import (
     BackendUnavailableError,
     CompileWarning,
+    PortabilityWarning,
     ScalerArgumentError,
     ScalerStateError,
+    StateDictError,
     TensorTypeError,
     UnifiedAmpError,
     UnknownBackendError,
@@ -89,5 +91,7 @@ __all__ = [
     "TensorTypeError",
     "ScalerStateError",
     "ScalerArgumentError",
+    "StateDictError",
+    "PortabilityWarning",
     "CompileWarning",
 ]

@@ -16,6 +16,8 @@ __all__ = [
     "TensorTypeError",
     "ScalerStateError",
     "ScalerArgumentError",
+    "StateDictError",
+    "PortabilityWarning",
     "CompileWarning",
 ]
 
@@ -87,6 +89,29 @@ class ScalerArgumentError(UnifiedAmpError, ValueError, AssertionError):
     """A bad GradScaler number where torch.amp raises ``AssertionError`` (a growth factor
     not above 1, a backoff factor not below 1, an ``update(new_scale=...)`` tensor that
     holds more than one element). Also a ``ValueError``, naming the value and the fix."""
+
+
+class StateDictError(UnifiedAmpError, ValueError, RuntimeError, KeyError, TypeError):
+    """A state dict that ``GradScaler.load_state_dict()`` cannot load: empty (a disabled
+    scaler's), no mapping, a key missing, a value out of range. Raised before anything
+    changes, on both backends alike.
+
+    Also every type that torch.amp's or megengine.amp's own ``load_state_dict()``
+    raises for such a dict (``RuntimeError`` for an empty one, ``KeyError`` for a missing
+    key, ``TypeError`` for no mapping), so code written against either keeps catching
+    it, and a ``ValueError`` (ours always was).
+    """
+
+    def __str__(self) -> str:
+        # KeyError's own str() would quote the message.
+        return str(self.args[0]) if self.args else ""
+
+
+class PortabilityWarning(UserWarning):
+    """Code that runs on this backend but not on the other: on torch, gradients that a
+    ``with gm:`` block of an ``amp.GradManager`` got from a backward pass the
+    GradManager did not run (``loss.backward()`` where portable code calls
+    ``gm.backward(loss)``; MegEngine's tensors have no ``backward()``)."""
 
 
 class CompileWarning(UserWarning):

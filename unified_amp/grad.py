@@ -4,12 +4,15 @@ frameworks, so that one training step serves both."""
 from __future__ import annotations
 
 import math
+import operator
+import warnings
 from typing import Any
 
-from . import _tracing, distributed
+from . import _overflowed, _tracing, distributed
 from ._registry import get_backend
+from .errors import PortabilityWarning
 from .scaler._targets import params_of
-from .interface import DataParallelHooks, capability
+from .interface import DataParallelHooks, GradVersions, capability
 
 __all__ = ["GradManager", "clip_grad_norm"]
 
@@ -51,6 +54,12 @@ class GradManager:
         self._tape = self._backend.new_tape()
         self._params: list[Any] = []
         self._recording = False
+        # Where a tensor has a backward() of its own (torch: the adapter's gradients have
+        # versions), the gradients as a block began, to tell a backward this
+        # GradManager did not run.
+        versions = capability(self._backend, GradVersions)
+        self._version = None if versions is None else versions.grad_version
+        self._before: tuple[list[Any], list[Any]] | None = None
         # Set when backward() has ended the recording of the current block, so that a
         # second backward() in the same block is told so (not "nothing recorded").
         self._spent = False
@@ -100,11 +109,40 @@ class GradManager:
         self._tape.record()
         self._recording = True
         self._spent = False
+        if self._version is not None:
+            self._before = self._grads()
 
     def release(self) -> None:
         """Stops recording and frees the recorded graph (what leaving ``with gm:`` does)."""
+        self._left(3)
+
+    def _left(self, stacklevel: int) -> None:
+        before, self._before = self._before, None
+        if before is not None and not self._spent and self._recording and \
+                self._written_since(before):
+            warnings.warn(
+                "The gradients of parameters attached to this amp.GradManager were"
+                " written inside its `with gm:` block by a backward pass it did not run"
+                " (loss.backward() or scaler.scale(loss).backward()). That trains on torch"
+                " but fails on MegEngine, whose tensors have no backward(): call"
+                " gm.backward(loss) inside the block (gm.backward(scaler.scale(loss)), or"
+                " scaler.backward(gm, loss)) for code that runs on both.",
+                PortabilityWarning, stacklevel=stacklevel)
         self._spent = False
         self._stop()
+
+    def _written_since(self, before: tuple[list[Any], list[Any]]) -> bool:
+        grads, versions = self._grads()
+        # (by identity: == on tensors compares their elements)
+        return any(map(operator.is_not, grads, before[0])) or versions != before[1]
+
+    def _grads(self) -> tuple[list[Any], list[Any]]:
+        """The attached gradients and their versions (an in-place accumulation moves
+        the version, a backward into a None gradient makes a new object)."""
+        grads = list(map(_grad_of, self._params))
+        version = self._version
+        assert version is not None
+        return grads, [None if g is None else version(g) for g in grads]
 
     def _stop(self) -> None:
         self._recording = False
@@ -115,7 +153,7 @@ class GradManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.release()
+        self._left(3)
 
     def backward(self, y: Any = None, dy: Any = None) -> None:
         """Accumulates gradients of ``y`` (a tensor or list of tensors) into ``p.grad``.
@@ -161,6 +199,10 @@ class GradManager:
     def zero_grad(self) -> None:
         """Drops the accumulated gradients of every attached parameter (sets them to None)."""
         self._backend.drop_grads(self._params)
+        _overflowed.unmark(self._params)
+
+
+_grad_of = operator.attrgetter("grad")
 
 
 def _callbacks(callbacks: Any) -> list[Any]:
@@ -189,11 +231,17 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
 
     Returns:
         The total norm of the gradients before clipping, as a Python float (this reads
-        one number back from the device).
+        one number back from the device). inf where a GradScaler dropped the
+        gradients of an overflowed step (``scaler.backward(gm, loss)``,
+        ``scaler.unscale(gm)``), as torch's ``clip_grad_norm_`` says of the inf/NaN
+        gradients that torch.amp's ``unscale_`` keeps.
 
     Uses the framework's own clipping (``torch.nn.utils.clip_grad_norm_``,
-    ``megengine.optimizer.clip_grad_norm``), so results match theirs bit for bit. In
-    manual mode call it after ``scaler.unscale(...)``, so it sees true-scale gradients.
+    ``megengine.optimizer.clip_grad_norm``), so results match theirs bit for bit where
+    the norm is finite. A non-finite norm is returned and the gradients are left as
+    they are, on both backends (the step that follows is skipped; torch's own clip
+    would make every gradient NaN, MegEngine's only some). In manual mode call it after
+    ``scaler.unscale(...)``, so it sees true-scale gradients.
 
     Raises:
         UnsupportedTraceError: inside ``megengine.jit.trace``, where the norm cannot be
@@ -217,6 +265,8 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
         raise _tracing.refuse(backend, "amp.clip_grad_norm()", "clip")
     params = params_of(target, backend, "clip_grad_norm()")
     distributed.note_module(backend, target)
+    if _overflowed.dropped(params):
+        return math.inf
     if backend.is_module(target):
         hooks = capability(backend, DataParallelHooks)
         norm = None if hooks is None else hooks.module_clip_grad_norm(

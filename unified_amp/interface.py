@@ -120,11 +120,6 @@ class Gradients(Protocol):
 class LossScaling(Protocol):
     """Scaling by the loss scale, and the fused check-and-unscale with its flag."""
 
-    # The framework's own scaler's names for state_dict()'s "scale" entry, written beside
-    # it so that scaler can resume from a unified_amp checkpoint (megengine.amp reads
-    # "scale_factor"); empty where the framework reads "scale" itself.
-    scale_key_aliases: tuple[str, ...]
-
     def scale(self, y: Any, scale: float) -> Any:
         """``y`` times the loss scale, as the framework's own scaler would compute it."""
 
@@ -309,8 +304,10 @@ class DeviceScale(Protocol):
     def read(self) -> tuple[float, int]:
         """The scale and tracker, read back (a sync)."""
 
-    def load(self, scale: float, tracker: int | None) -> None:
-        """Sets the scale (and the tracker unless None)."""
+    def load(self, scale: float, tracker: int | None,
+             telemetry: tuple[int, int, bool] | None = None) -> None:
+        """Sets the scale (and the tracker unless None; and unless None the telemetry,
+        (steps, skipped steps, last step skipped), that ``poll`` reports next)."""
 
 
 @runtime_checkable

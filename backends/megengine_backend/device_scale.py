@@ -183,10 +183,15 @@ class DeviceScale(interface.TracedScale):
     def read(self) -> tuple[float, int]:
         return float(self.scale_t.item()), int(self.tracker_t.item())
 
-    def load(self, scale: float, tracker: int | None) -> None:
+    def load(self, scale: float, tracker: int | None,
+             telemetry: tuple[int, int, bool] | None = None) -> None:
         self.scale_t._reset(megengine.tensor(scale, dtype="float32"))
         if tracker is not None:
             self.tracker_t._reset(megengine.tensor(tracker, dtype="int32"))
+        if telemetry is not None:
+            self._steps, skipped, last = telemetry
+            self.skipped_t._reset(megengine.tensor(skipped, dtype="int32"))
+            self.last_t._reset(megengine.tensor(int(last), dtype="int32"))
 
 
 # Run right before each traced call starts (TracedSteps.before_traces): the live

@@ -3,11 +3,12 @@ and clipping."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import megengine
+import megengine.functional as F
 from megengine.autodiff import GradManager as _NativeGradManager
-from megengine.optimizer import clip_grad_norm as _clip_grad_norm
 
 from unified_amp import interface
 
@@ -51,4 +52,17 @@ class Gradients(interface.Gradients):
 
     def clip_grad_norm(self, params: Sequence[Any], max_norm: float,
                        norm_type: float) -> float:
-        return float(_clip_grad_norm(params, max_norm, ord=norm_type).item())
+        # megengine.optimizer.clip_grad_norm's ops, the clip only for a finite norm: a
+        # non-finite one leaves the gradients as they are (its clip would make some NaN,
+        # or none), as on torch.
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad:
+            return 0.0
+        norms = [F.norm(p.grad.flatten(), ord=norm_type) for p in with_grad]
+        total = F.norm(F.concat(norms), ord=norm_type) if len(norms) > 1 else norms[0]
+        value = float(total.item())
+        if math.isfinite(value):
+            scale = F.minimum(max_norm / (total + 1e-6), 1)
+            for p in with_grad:
+                p.grad._reset(p.grad * scale)
+        return value

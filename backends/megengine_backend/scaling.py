@@ -55,7 +55,6 @@ def by_device(grads: Sequence[Any]) -> list[list[Any]]:
 class LossScaling(interface.LossScaling):
     """Multiplying by the scale as megengine.amp does, and the fused check."""
 
-    scale_key_aliases: tuple[str, ...] = ("scale_factor",)
 
     def scale(self, y: Any, scale: float) -> Any:
         return y * scale

@@ -135,10 +135,19 @@ class TorchDeviceScale(interface.DeviceScale):
                                       self.tracker_t.double()]).cpu().tolist()
         return scale, int(tracker)
 
-    def load(self, scale: float, tracker: int | None) -> None:
+    def load(self, scale: float, tracker: int | None,
+             telemetry: tuple[int, int, bool] | None = None) -> None:
         self.scale_t.fill_(scale)
         if tracker is not None:
             self.tracker_t.fill_(tracker)
+        if telemetry is not None:  # a checkpoint's: the snapshots in flight are older
+            steps, skipped, last = telemetry
+            self.skipped_t.fill_(skipped)
+            self._in_flight.clear()
+            last_t = torch.tensor(last)
+            self._latest = (steps, None, last_t) if self.device.type == "cpu" else (
+                steps, torch.tensor([scale, float(self.tracker_t), skipped, float(last)],
+                                    dtype=torch.float64), None)
 
 
 class DeviceResident(interface.DeviceResident):

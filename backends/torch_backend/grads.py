@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -163,8 +164,16 @@ class Gradients(interface.Gradients, interface.GradVersions,
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float,
                        norm_type: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        # clip_grad_norm_'s two halves (what it runs), the clip only for a finite norm:
+        # a non-finite one leaves the gradients as they are (its clip would make them
+        # all NaN), as on MegEngine.
+        params = list(params)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+                                             norm_type)
         # Under FSDP2 the norm is a DTensor; torch 2.7 and 2.8 read its float as this rank's
         # local part, so ask for the global value explicitly.
         full = getattr(norm, "full_tensor", None)
-        return float(full() if full is not None else norm)
+        value = float(full() if full is not None else norm)
+        if math.isfinite(value):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return value

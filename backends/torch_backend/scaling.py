@@ -100,7 +100,6 @@ def by_device(flags: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]
 class LossScaling(interface.LossScaling):
     """Multiplying by the scale as torch.amp does, and the fused check of the gradients."""
 
-    scale_key_aliases: tuple[str, ...] = ()
 
     _scale_cache: _Cache
     _inv_cache: _Cache

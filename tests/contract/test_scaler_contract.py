@@ -1,6 +1,7 @@
 """GradScaler on the real backends: trajectories, skipping, accumulation, clipping,
 several optimizers, checkpoints and the disabled pass-through."""
 
+import math
 import pickle
 
 import numpy as np
@@ -134,6 +135,52 @@ def test_clipping_after_unscale_sees_true_scale_gradients(kit, device):
     scaler.update()
 
 
+@pytest.mark.parametrize("form", ["automatic", "manual"])
+def test_clip_grad_norm_shows_the_overflow_that_dropped_the_gradients(kit, device, form):
+    """scaler.backward(gm, loss) and scaler.unscale(gm) drop overflowed gradients (so
+    that any optimizer step skips): clip_grad_norm then says inf, as torch's
+    clip_grad_norm_ says of the gradients it keeps, not the 0.0 of no gradients."""
+    p = Problem(kit, device)
+    gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.1)
+    scaler = amp.GradScaler(init_scale=2.0**10)
+
+    def backward(overflow):
+        with amp.autocast(dtype="float16", device=device):
+            with gm:
+                if form == "automatic":
+                    scaler.backward(gm, p.loss(overflow))
+                else:
+                    gm.backward(scaler.scale(p.loss(overflow)))
+        if form == "manual":
+            scaler.unscale(gm)
+
+    backward(overflow=True)
+    assert all(kit.grad(q) is None for q in p.params)  # dropped
+    for target in (gm, p.params, opt):
+        assert amp.clip_grad_norm(target, max_norm=1.0) == math.inf
+    if form == "manual":
+        scaler.update()
+    gm.zero_grad()  # gradients cleared on purpose: nothing to report any more
+    assert amp.clip_grad_norm(gm, max_norm=1.0) == 0.0
+    backward(overflow=True)
+    if form == "manual":
+        scaler.update()
+    backward(overflow=False)  # the next step's gradients, clean: its own norm
+    assert 0.0 < amp.clip_grad_norm(gm, max_norm=1.0) < 50.0
+
+
+def test_clip_grad_norm_of_non_finite_gradients_leaves_them_as_they_are(kit, device):
+    """A non-finite norm is returned as it is, and the gradients are left alone (the
+    step that follows is skipped): torch's own clip would turn them all into NaN,
+    MegEngine's some of them, so the two backends would hold different gradients."""
+    w = kit.param(np.ones(3, np.float32), device)
+    for grad, expected in (([np.inf, 1.0, -2.0], math.inf), ([np.nan, np.inf, 1.0], "nan")):
+        kit.set_grad(w, np.array(grad, np.float32))
+        norm = amp.clip_grad_norm([w], max_norm=1.0)
+        assert norm == expected if expected == math.inf else math.isnan(norm)
+        assert bits([kit.grad(w)]) == bits([np.array(grad, np.float32)])
+
+
 def test_gan_step_two_optimizers_one_scaler(kit, device):
     d, g = Problem(kit, device, seed=1), Problem(kit, device, seed=2)
     gm_d, gm_g = amp.GradManager(d.params), amp.GradManager(g.params)
@@ -238,7 +285,9 @@ def test_scaled_loss_and_fp16_gradients(kit, device):
 
 
 def test_state_dict_is_plain_python_and_survives_json(kit, device):
-    """Plain numbers only, so a checkpoint written on one backend loads on the other."""
+    """Plain numbers only, the same keys on both backends, so that a checkpoint written
+    on one backend loads on the other, and into either framework's own scaler
+    (torch.amp reads "scale", megengine.amp "scale_factor"; both ignore the rest)."""
     import json
 
     p = Problem(kit, device)
@@ -250,11 +299,61 @@ def test_state_dict_is_plain_python_and_survives_json(kit, device):
     assert json.loads(json.dumps(state)) == state
     fresh = amp.GradScaler()
     fresh.load_state_dict(json.loads(json.dumps(state)))
-    expected = {"scale": 2.0**8, "growth_factor": 2.0, "backoff_factor": 0.5,
-                "growth_interval": 2, "_growth_tracker": 1}
-    if kit.name == "megengine":  # megengine.amp's own key as well, for its scaler to load
-        expected = {"scale": 2.0**8, "scale_factor": 2.0**8, **expected}
+    expected = {"scale": 2.0**8, "scale_factor": 2.0**8, "growth_factor": 2.0,
+                "backoff_factor": 0.5, "growth_interval": 2, "_growth_tracker": 1,
+                "steps": 3, "skipped_steps": 1, "last_step_skipped": False}
     assert fresh.state_dict() == state == expected
+    assert list(state) == list(expected)  # torch.amp's keys first, in its order
+
+
+def test_the_counters_travel_in_the_state_dict(kit, device):
+    """stats() goes on from the checkpoint: overflow reports and logs keep numbering
+    the steps of the whole run, not from the resume."""
+    p = Problem(kit, device)
+    gm, opt = amp.GradManager(p.params), kit.sgd(p.params, 0.05)
+    scaler = amp.GradScaler(init_scale=2.0**9, growth_interval=2)
+    for overflow in (False, True, False, True):
+        megengine_style_step(scaler, gm, opt, p, overflow)
+    keys = ("steps", "skipped_steps", "last_step_skipped", "scale", "growth_tracker")
+    before = {k: scaler.stats()[k] for k in keys}
+    assert before["steps"] == 4 and before["skipped_steps"] == 2
+    resumed = amp.GradScaler()
+    resumed.load_state_dict(scaler.state_dict())
+    assert {k: resumed.stats()[k] for k in keys} == before
+    assert resumed.stats()["as_of_step"] == 4
+    megengine_style_step(resumed, gm, opt, p, False)
+    assert (resumed.stats()["steps"], resumed.stats()["skipped_steps"]) == (5, 2)
+    # A framework's own dict has no counters: loading it leaves them as they are.
+    resumed.load_state_dict({k: v for k, v in scaler.state_dict().items()
+                             if k not in ("steps", "skipped_steps", "last_step_skipped")})
+    assert (resumed.stats()["steps"], resumed.stats()["skipped_steps"]) == (5, 2)
+
+
+BAD_STATE_DICTS = {
+    "empty": {},
+    "missing a key": {"scale": 8.0, "growth_factor": 2.0},
+    "no mapping": [("scale", 8.0)],
+    "a bad value": {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                    "growth_interval": 3, "_growth_tracker": -1},
+    "bad counters": {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                     "growth_interval": 3, "_growth_tracker": 0, "steps": 1,
+                     "skipped_steps": 2, "last_step_skipped": True},
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_STATE_DICTS))
+def test_a_bad_state_dict_raises_one_error_class_on_both_backends(kit, device, bad):
+    """amp.StateDictError, on both backends: also each framework's own scaler's type
+    (torch.amp: RuntimeError for an empty dict, KeyError for a missing key, TypeError
+    for no mapping; megengine.amp: KeyError, TypeError), and ValueError as before."""
+    scaler = amp.GradScaler(init_scale=4.0)
+    before = scaler.state_dict()
+    with pytest.raises(amp.StateDictError) as info:
+        scaler.load_state_dict(BAD_STATE_DICTS[bad])
+    assert all(isinstance(info.value, t) for t in (RuntimeError, KeyError, TypeError,
+                                                  ValueError))
+    assert "state dict" in str(info.value) and not str(info.value).startswith("'")
+    assert scaler.state_dict() == before
 
 
 def test_a_long_run_of_overflows_keeps_skipping_and_never_fails(kit, device):

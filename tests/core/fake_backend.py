@@ -293,7 +293,6 @@ class FakeBackend(interface.Backend):
             g.values = [v * coef for v in g.values]
         return norm
 
-    scale_key_aliases: tuple[str, ...] = ()
 
     def scale(self, y, scale):
         return FakeTensor([v * scale for v in y.values], y.dtype,

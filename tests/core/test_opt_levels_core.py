@@ -397,11 +397,14 @@ def test_state_dict_holds_every_loss_scale_and_round_trips(fake):
     amp.initialize(model, opt, num_losses=2)
     amp.loss_scaler(1).scale_factor = 4.0
     saved = amp.state_dict()
+    counters = {"steps": 0, "skipped_steps": 0, "last_step_skipped": False}
     assert saved == {
-        "loss_scaler0": {"scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
-                         "growth_interval": 2000, "_growth_tracker": 0},
-        "loss_scaler1": {"scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                         "growth_interval": 2000, "_growth_tracker": 0}}
+        "loss_scaler0": {"scale": 2.0**16, "scale_factor": 2.0**16, "growth_factor": 2.0,
+                         "backoff_factor": 0.5, "growth_interval": 2000,
+                         "_growth_tracker": 0, **counters},
+        "loss_scaler1": {"scale": 4.0, "scale_factor": 4.0, "growth_factor": 2.0,
+                         "backoff_factor": 0.5, "growth_interval": 2000,
+                         "_growth_tracker": 0, **counters}}
     model, opt = make(fake)
     amp.initialize(model, opt, num_losses=2)
     amp.load_state_dict(saved)

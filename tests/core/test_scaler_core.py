@@ -377,9 +377,11 @@ def test_state_dict_has_torch_keys_and_plain_numbers(fake):
     for overflow in (False, True, False):
         train_step(scaler, params, opt, overflow)
     sd = scaler.state_dict()
-    assert sd == {"scale": 32.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                  "growth_interval": 2, "_growth_tracker": 1}
-    assert [type(v) for v in sd.values()] == [float, float, float, int, int]
+    assert sd == {"scale": 32.0, "scale_factor": 32.0, "growth_factor": 2.0,
+                  "backoff_factor": 0.5, "growth_interval": 2, "_growth_tracker": 1,
+                  "steps": 3, "skipped_steps": 1, "last_step_skipped": False}
+    assert [type(v) for v in sd.values()] == [float, float, float, float, int, int, int,
+                                              int, bool]
 
 
 def test_round_trip_continues_identically(fake):
@@ -418,13 +420,18 @@ GOOD = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_inter
     ({"_growth_tracker": -1}, "_growth_tracker must be an int >= 0"),
     ({"backoff_factor": 2.0}, "backoff_factor must be in (0, 1)"),
     ({"scale_factor": 4.0}, "disagree"),
+    ({"steps": 3}, "some of the counters"),
+    ({"steps": 3, "skipped_steps": 4, "last_step_skipped": True}, "skipped_steps <= steps"),
+    ({"steps": True, "skipped_steps": 0, "last_step_skipped": False}, "must be ints"),
+    ({"steps": 3, "skipped_steps": 0, "last_step_skipped": True}, "True only if"),
+    ({"steps": 3, "skipped_steps": 1, "last_step_skipped": 1}, "must be a bool"),
 ])
 def test_malformed_state_dict_is_rejected_and_changes_nothing(change, fragment):
     scaler = amp.GradScaler(init_scale=2.0, growth_interval=5)
     before = scaler.state_dict()
     bad = {**GOOD, **change}
     bad = {k: v for k, v in bad.items() if v is not None}
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(amp.StateDictError) as info:
         scaler.load_state_dict(bad)
     assert fragment in str(info.value)
     assert scaler.state_dict() == before
@@ -434,7 +441,7 @@ def test_empty_or_non_mapping_state_dict():
     scaler = amp.GradScaler()
     with pytest.raises(ValueError, match="empty"):
         scaler.load_state_dict({})
-    with pytest.raises(TypeError, match="expects a dict"):
+    with pytest.raises(TypeError, match="expects a state dict"):
         scaler.load_state_dict([("scale", 1.0)])
 
 

@@ -65,10 +65,12 @@ class FakeDeviceScale:
     def read(self):
         return self.scale_v, self.tracker_v
 
-    def load(self, scale, tracker):
+    def load(self, scale, tracker, telemetry=None):
         self.scale_v = scale
         if tracker is not None:
             self.tracker_v = tracker
+        if telemetry is not None:
+            self.steps, self.skipped_v, self.last = telemetry
 
 
 class TracingFake(FakeBackend, interface.Tracing):

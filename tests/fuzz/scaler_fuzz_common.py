@@ -35,26 +35,48 @@ class Difference:
     fragment: str  # a piece of the refusing side's message ("" for "neither")
 
 
-def differences() -> dict[str, Difference]:
-    """DROP_IN.md's table under HEADING: | id | framework | refuses | call | message |."""
+def table(heading: str, width: int) -> list[tuple[str, list[str], str]]:
+    """The rows of DROP_IN.md's table under ``heading`` that start with an id in
+    backticks: (id, its ``width`` cells, the first backticked piece of the last cell)."""
     text = DROP_IN.read_text()
-    if HEADING not in text:
-        raise AssertionError(f"{DROP_IN} has no section {HEADING!r}: the fuzz reads its"
+    if heading not in text:
+        raise AssertionError(f"{DROP_IN} has no section {heading!r}: the fuzz reads its"
                              f" list of deliberate differences from there")
-    rows: dict[str, Difference] = {}
-    for line in text.split(HEADING, 1)[1].splitlines()[1:]:
+    rows = []
+    for line in text.split(heading, 1)[1].splitlines()[1:]:
         if line.startswith("#"):
             break
         if not line.startswith("| `"):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 5:
-            raise AssertionError(f"DROP_IN.md: a row of the differences table needs 5"
-                                 f" cells: {line!r}")
-        ident = cells[0].strip("`")
-        fragment = re.findall(r"`([^`]*)`", cells[4])
-        rows[ident] = Difference(ident, cells[1], cells[2], fragment[0] if fragment else "")
+        if len(cells) != width:
+            raise AssertionError(f"DROP_IN.md: a row of {heading!r} needs {width} cells:"
+                                 f" {line!r}")
+        fragment = re.findall(r"`([^`]*)`", cells[-1])
+        rows.append((cells[0].strip("`"), cells, fragment[0] if fragment else ""))
     return rows
+
+
+def differences() -> dict[str, Difference]:
+    """DROP_IN.md's table under HEADING: | id | framework | refuses | call | message |."""
+    return {ident: Difference(ident, cells[1], cells[2], fragment)
+            for ident, cells, fragment in table(HEADING, 5)}
+
+
+def misuse(rng: random.Random, it: list[Any], out_of_place: Callable[[], Any]) -> None:
+    """Now and then drops, repeats or moves a call of one iteration ``it``, or inserts
+    one out of place (``out_of_place()``): misuse, drawn from ``rng``."""
+    for _ in range(rng.choice([0, 0, 0, 1, 2])):
+        j = rng.randrange(len(it))
+        action = rng.choice(["drop", "repeat", "move", "insert"])
+        if action == "insert":
+            it.insert(j, out_of_place())
+        elif action == "drop":
+            it.pop(j)
+        elif action == "repeat":
+            it.insert(j, it[j])
+        else:
+            it.insert(rng.randrange(len(it)), it.pop(j))
 
 
 def time_limit(seconds_per_program: float) -> Any:

@@ -20,8 +20,8 @@ from megengine.autodiff import GradManager
 
 import unified_amp as amp
 
-from .scaler_fuzz_common import (Parted, Tally, differences, first_difference, rng_for,
-                                 run_call, time_limit)
+from .scaler_fuzz_common import (Parted, Tally, differences, first_difference, misuse,
+                                 rng_for, run_call, time_limit)
 
 OPTIMIZERS = {
     "sgd": lambda ps: MO.SGD(ps, lr=0.1),
@@ -72,18 +72,8 @@ def make_program(seed: int, index: int) -> tuple[dict, list[tuple]]:
             it.append(("roundtrip",))
         for k in range(n_opt):
             it.append(("clear_grad", k))
-        for _ in range(rng.choice([0, 0, 0, 1, 2])):
-            j = rng.randrange(len(it))
-            action = rng.choice(["drop", "repeat", "move", "insert"])
-            if action == "insert":
-                it.insert(j, rng.choice([("unscale",), ("update", None), ("step", 0),
-                                         ("clear_grad", 0)]))
-            elif action == "drop":
-                it.pop(j)
-            elif action == "repeat":
-                it.insert(j, it[j])
-            else:
-                it.insert(rng.randrange(len(it)), it.pop(j))
+        misuse(rng, it, lambda: rng.choice([("unscale",), ("update", None), ("step", 0),
+                                            ("clear_grad", 0)]))
         calls.extend(it)
     return config, calls[: rng.randint(1, 24)]
 

@@ -14,8 +14,8 @@ import torch
 
 import unified_amp as amp
 
-from .scaler_fuzz_common import (Parted, Tally, differences, first_difference, rng_for,
-                                 run_call, time_limit)
+from .scaler_fuzz_common import (Parted, Tally, differences, first_difference, misuse,
+                                 rng_for, run_call, time_limit)
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
@@ -30,6 +30,10 @@ OPTIMIZERS = {
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True),
     "adagrad-fused": lambda ps: torch.optim.Adagrad(ps, lr=0.01, fused=True),
 }
+
+
+TORCH_AMP_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                  "_growth_tracker")
 
 
 def make_program(seed: int, index: int) -> tuple[dict, list[tuple]]:
@@ -67,20 +71,13 @@ def make_program(seed: int, index: int) -> tuple[dict, list[tuple]]:
         for k in range(n_opt):
             it.append(("zero_grad", k, rng.random() < 0.8))
         # misuse: drop, repeat or move a call now and then
-        for _ in range(rng.choice([0, 0, 0, 1, 2])):
-            j = rng.randrange(len(it))
-            action = rng.choice(["drop", "repeat", "move", "insert"])
-            if action == "insert":  # a call out of place: one more unscale_, step, ...
-                k = rng.randrange(n_opt)
-                it.insert(j, rng.choice([("unscale_", k), ("step", k), ("update", None),
-                                         ("backward", "both", None, "scale", 7),
-                                         ("roundtrip",), ("zero_grad", k, False)]))
-            elif action == "drop":
-                it.pop(j)
-            elif action == "repeat":
-                it.insert(j, it[j])
-            else:
-                it.insert(rng.randrange(len(it)), it.pop(j))
+        def out_of_place() -> tuple:  # one more unscale_, step, ...
+            k = rng.randrange(n_opt)
+            return rng.choice([("unscale_", k), ("step", k), ("update", None),
+                               ("backward", "both", None, "scale", 7), ("roundtrip",),
+                               ("zero_grad", k, False)])
+
+        misuse(rng, it, out_of_place)
         calls.extend(it)
     return config, calls[: rng.randint(1, 24)]
 
@@ -159,8 +156,10 @@ class World:
 
     def snapshot(self) -> dict[str, Any]:
         s = self.scaler
+        # torch.amp's keys (ours also holds megengine.amp's and the stats() counters)
         snap: dict[str, Any] = {"scale": s.get_scale(), "enabled": s.is_enabled(),
-                                "state_dict": s.state_dict()}
+                                "state_dict": {k: v for k, v in s.state_dict().items()
+                                               if k in TORCH_AMP_KEYS}}
         snap["growth_tracker"] = s._get_growth_tracker()
         for i, p in enumerate(self.params()):
             snap[f"param {i}"] = p.detach().numpy().tobytes()

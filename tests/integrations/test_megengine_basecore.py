@@ -160,13 +160,17 @@ def run(GradScaler, tmp_path, accumulate=1, clip=None):
                       final_scaler=pickle.dumps(scaler.state_dict()))
 
 
+MEGENGINE_AMP_KEYS = ("scale_factor", "growth_factor", "backoff_factor", "growth_interval",
+                      "_growth_tracker")
+
+
 def as_megengine_saves(state):
     """unified_amp's state_dict holds torch.amp's "scale" first, then megengine.amp's
-    "scale_factor" and the rest (docs/DROP_IN.md), so that checkpoints move between
-    frameworks and back to megengine.amp. Without "scale" the dict must pickle to
-    megengine.amp's bytes."""
+    "scale_factor", the rest of both natives' keys and the stats() counters
+    (docs/DROP_IN.md), so that checkpoints move between frameworks and back to
+    megengine.amp. megengine.amp's keys alone must pickle to megengine.amp's bytes."""
     assert state["scale"] == state["scale_factor"]
-    return {k: v for k, v in state.items() if k != "scale"}
+    return {k: v for k, v in state.items() if k in MEGENGINE_AMP_KEYS}
 
 
 def assert_same(native, ours):

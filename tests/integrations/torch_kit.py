@@ -105,9 +105,16 @@ def optimizer_state(opt):
     return out
 
 
+TORCH_AMP_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                  "_growth_tracker")
+
+
 def scaler_bytes(state):
-    """A scaler's state dict as it is saved: pickled, so types and key order count."""
-    return pickle.dumps(state)
+    """A scaler's state dict as torch.amp reads it, pickled, so types and key order
+    count: torch.amp's five keys (unified_amp's dict also holds megengine.amp's
+    "scale_factor" and the stats() counters, which torch.amp's load ignores)."""
+    assert list(state)[:1] == ["scale"] and set(TORCH_AMP_KEYS) <= set(state), state
+    return pickle.dumps({k: state[k] for k in state if k in TORCH_AMP_KEYS})
 
 
 def assert_same(native, ours):

@@ -195,6 +195,60 @@ def test_checkpoints_move_both_ways_between_the_scalers():
     assert back.state_dict() == ours.state_dict()
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.1, 100.0])
+def test_clip_grad_norm_is_megengines_bit_for_bit_on_finite_gradients(norm_type, max_norm):
+    def params():
+        rng = np.random.RandomState(3)
+        ps = [mge.Parameter(np.zeros(s, np.float32)) for s in ((4, 3), (3,), (5,))]
+        for p in ps:
+            p.grad = mge.tensor((rng.randn(*p.shape) * 3).astype(np.float32))
+        return ps
+
+    theirs, ours = params(), params()
+    norm = optim.clip_grad_norm(theirs, max_norm, ord=norm_type)
+    assert unified_amp.clip_grad_norm(ours, max_norm, norm_type) == float(norm.item())
+    assert all(np.array_equal(a.grad.numpy(), b.grad.numpy()) for a, b in zip(theirs, ours))
+
+
+def test_megengine_amp_resumes_from_a_checkpoint_of_a_run_with_ours():
+    """After steps and skips: megengine.amp's own scaler loads ours, which holds its
+    "scale_factor" beside torch.amp's "scale" (the same dict on both backends)."""
+    model = M.Linear(3, 2)
+    gm = GradManager().attach(model.parameters())
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    ours = OURS(init_scale=2.0**10, growth_interval=2)
+    for overflow in (False, True, False):
+        x = mge.tensor(np.random.RandomState(0).randn(4, 3).astype("float32"))
+        with gm:
+            loss = (model(x) ** 2).mean() * (float("inf") if overflow else 1.0)
+            ours.backward(gm, loss)
+        opt.step().clear_grad()
+    native = NATIVE()
+    native.load_state_dict(ours.state_dict())
+    assert native.state_dict() == {k: ours.state_dict()[k] for k in native.state_dict()}
+    assert (native.scale_factor, native._growth_tracker) == (2.0**9, 1)
+
+
+BAD_STATE_DICTS = {
+    "empty": {},
+    "missing a key": {"scale_factor": 8.0, "growth_factor": 2.0},
+    "no mapping": [("scale_factor", 8.0)],
+    "None": None,
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_STATE_DICTS))
+def test_a_bad_state_dict_raises_megengine_amps_type(bad):
+    """Where megengine.amp refuses a state dict, ours raises amp.StateDictError, which
+    is also the type megengine.amp raises (KeyError, TypeError)."""
+    with pytest.raises(Exception) as native:
+        NATIVE().load_state_dict(BAD_STATE_DICTS[bad])
+    with pytest.raises(unified_amp.StateDictError) as ours:
+        OURS().load_state_dict(BAD_STATE_DICTS[bad])
+    assert isinstance(ours.value, type(native.value)), (native.value, ours.value)
+
+
 @pytest.mark.parametrize("overflow_on", [None, "cpu0", "cpu1"])
 def test_gradients_on_two_devices_are_checked_and_unscaled_per_device(overflow_on):
     """MegEngine's fused kernel takes the gradients of one device per call; the adapter

@@ -87,18 +87,79 @@ def test_scale_of_a_list_and_state_dict_match():
     sa, sb = a.scale(t), b.scale(t)
     assert torch.equal(sa[0], sb[0]) and torch.equal(sa[1][0], sb[1][0])
     assert type(sa[1]) is type(sb[1]) is tuple
-    assert a.state_dict() == b.state_dict()
+    assert torch_amp_keys(b.state_dict()) == a.state_dict()
     assert (a.get_scale(), a.is_enabled()) == (b.get_scale(), b.is_enabled())
+
+
+def torch_amp_keys(state):
+    """Ours, as torch.amp reads it: its five keys, in its order (pickled bytes count).
+    Ours also holds megengine.amp's "scale_factor" and the stats() counters, which
+    torch.amp's load_state_dict() ignores."""
+    keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+    return {k: state[k] for k in keys}
 
 
 def test_native_state_dict_loads_into_ours_and_back():
     native = NATIVE("cpu", init_scale=512.0, growth_interval=7)
     ours = OURS()
     ours.load_state_dict(native.state_dict())
-    assert ours.state_dict() == native.state_dict()
+    assert torch_amp_keys(ours.state_dict()) == native.state_dict()
     again = NATIVE("cpu")
     again.load_state_dict(ours.state_dict())
     assert again.state_dict() == native.state_dict()
+
+
+def test_torch_amp_resumes_from_a_checkpoint_of_a_run_with_ours():
+    """After steps and skips: torch.amp's own scaler loads ours and holds its numbers."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = OURS("cpu", init_scale=2.0**10, growth_interval=2)
+    for overflow in (False, True, False):
+        loss = model(torch.randn(4, 3)).pow(2).mean() * (float("inf") if overflow else 1.0)
+        ours.scale(loss).backward()
+        ours.step(opt)
+        ours.update()
+        opt.zero_grad()
+    native = NATIVE("cpu")
+    native.load_state_dict(ours.state_dict())
+    assert native.state_dict() == torch_amp_keys(ours.state_dict())
+    assert (native.get_scale(), native._get_growth_tracker()) == (2.0**9, 1)
+
+
+BAD_STATE_DICTS = {
+    "empty": {},
+    "missing a key": {"scale": 8.0, "growth_factor": 2.0},
+    "no mapping": [("scale", 8.0)],
+    "None": None,
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_STATE_DICTS))
+def test_a_bad_state_dict_raises_torch_amps_type(bad):
+    """Where torch.amp refuses a state dict, ours raises amp.StateDictError, which is
+    also the type torch.amp raises (RuntimeError for an empty dict, KeyError for a
+    missing key, TypeError for no mapping)."""
+    with pytest.raises(Exception) as native:
+        NATIVE("cpu").load_state_dict(BAD_STATE_DICTS[bad])
+    with pytest.raises(unified_amp.StateDictError) as ours:
+        OURS("cpu").load_state_dict(BAD_STATE_DICTS[bad])
+    assert isinstance(ours.value, type(native.value)), (native.value, ours.value)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.1, 100.0])
+def test_clip_grad_norm_is_torchs_bit_for_bit_on_finite_gradients(norm_type, max_norm):
+    def params():
+        g = torch.Generator().manual_seed(3)
+        ps = [torch.nn.Parameter(torch.zeros(s)) for s in ((4, 3), (3,), (5,))]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g) * 3
+        return ps
+
+    theirs, ours = params(), params()
+    norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+    assert unified_amp.clip_grad_norm(ours, max_norm, norm_type) == float(norm)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(theirs, ours))
 
 
 def test_unified_amp_never_touches_torch_autocast_dispatch():

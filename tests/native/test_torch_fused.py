@@ -146,6 +146,36 @@ def test_device_mode_state_dict_and_new_scale():
     assert (scaler.get_scale(), scaler.state_dict()["_growth_tracker"]) == (16.0, 0)
 
 
+def test_device_mode_counters_travel_in_the_state_dict():
+    """With the scale on the device (a fused optimizer stepped), state_dict() holds the
+    current counters, and loading one sets the device's counters too: stats() goes on
+    from the checkpoint, not from the device's own count."""
+    def step(scaler, model, opt, bad=False):
+        loss = model(torch.randn(2, 3)).sum() * (float("inf") if bad else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    saving = OURS(init_scale=64.0, growth_interval=100)
+    for bad in (False, True, False, True, True):
+        step(saving, model, opt, bad)
+    saved = saving.state_dict()
+    assert (saved["steps"], saved["skipped_steps"], saved["last_step_skipped"]) == (5, 3, True)
+    resumed = OURS(init_scale=2.0**10)
+    step(resumed, model, opt)  # its scale is on the device now, with its own counters
+    resumed.load_state_dict(saved)
+    counters = ("steps", "skipped_steps", "last_step_skipped", "as_of_step", "scale")
+    assert [resumed.stats()[k] for k in counters] == [5, 3, True, 5, 8.0]
+    step(resumed, model, opt)
+    assert [resumed.stats()[k] for k in counters] == [6, 3, False, 6, 8.0]
+    resumed.scale_factor = 2.0  # set on the device, with no update (no telemetry) since
+    assert (resumed.state_dict()["scale"], resumed.state_dict()["steps"]) == (2.0, 6)
+
+
 def test_telemetry_snapshots_do_not_pile_up_without_stats_calls():
     """Each update() takes an asynchronous snapshot; a run that never calls stats() must
     keep only the copies still in flight, not one per step."""

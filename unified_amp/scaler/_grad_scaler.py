@@ -288,6 +288,7 @@ class GradScaler:
         m = self._m
         m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
         m.it.handout.handed(None)
+        m.dropped.forget()
         return self.get_scale()
 
     @scale_factor.setter
@@ -396,20 +397,21 @@ class GradScaler:
 
     # -- checkpoints and pickling -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch.amp's keys, plain Python numbers, loadable by either backend; on
-        MegEngine also "scale_factor", so megengine.amp's scaler can load it too.
-        Empty when disabled (as torch.amp)."""
+        """Plain Python numbers, the same dict on both backends: torch.amp's keys,
+        megengine.amp's ``scale_factor`` and ``stats()``'s counters (``steps``,
+        ``skipped_steps``, ``last_step_skipped``), so that either framework's own
+        scaler loads it too. Empty when disabled (as torch.amp)."""
         m = self._m
         if not m.enabled:
             return {}
         m.refuse_in_trace("GradScaler.state_dict()", "read")
-        m.s.sync_from_device()
-        return m.s.state_dict(m.be().scale_key_aliases)
+        return m.s.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Loads a dict from ``state_dict()``, torch.amp's, or megengine.amp's
-        (``scale_factor``). A malformed dict raises ValueError (TypeError if it is no
-        mapping at all) and leaves the scaler unchanged. No-op when disabled."""
+        """Loads a dict from ``state_dict()``, torch.amp's or megengine.amp's (then
+        ``stats()``'s counters stay as they are). One it cannot load raises
+        ``amp.StateDictError`` (also the natives' error types) and changes nothing.
+        No-op when disabled."""
         m = self._m
         if m.enabled:
             m.refuse_in_trace("GradScaler.load_state_dict()", "write")

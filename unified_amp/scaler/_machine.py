@@ -23,7 +23,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
-from .. import _tracing, distributed
+from .. import _overflowed, _tracing, distributed
 from .._registry import get_backend
 from ..errors import ScalerStateError
 from ._forensics import Forensics, _user_stacklevel
@@ -188,6 +188,7 @@ class ScalerMachine:
         self.ledger = GradLedger()
         self.forensics = Forensics(self, enabled)
         self.updated_by_backward = False  # the last update() was backward()'s own
+        self.dropped = _overflowed.Dropped()  # for clip_grad_norm, till the next scale
         # optimizer id -> the checks behind its last step after backward()'s update()
         self.tail: dict[int, list[Check]] = {}
         self.optimizer_params = OptimizerParams()

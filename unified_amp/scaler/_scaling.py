@@ -32,6 +32,8 @@ def scale(m: ScalerMachine, outputs: Any) -> Any:
         m.forensics.saw_loss(outputs)
         return _scaled(m, outputs, "outputs", caps)
     # The usual call, one loss, written out: it runs every step.
+    if m.dropped:
+        m.dropped.forget()
     m.forensics.loss = outputs
     dev = m.s.dev
     out = dev.scale(outputs) if dev is not None else caps.backend.scale(outputs,
@@ -45,6 +47,8 @@ def _scaled(m: ScalerMachine, val: Any, where: str, caps: Caps) -> Any:
     backend = caps.backend
     if not backend.is_tensor(val):
         return each_tensor(val, where, lambda v, w: _scaled(m, v, w, caps), backend)
+    if m.dropped:
+        m.dropped.forget()
     dev = m.s.dev
     out = dev.scale(val) if dev is not None else backend.scale(val, m.s.value)
     m.it.handout.handed(None if caps.probes is None else caps.probes.backward_token(out))
@@ -59,6 +63,8 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
     nothing more: the scale on the host, no trace, no ``dy``, one process, unscale and
     update."""
     caps, s, it = m.caps, m.s, m.it
+    if m.dropped:
+        m.dropped.forget()
     tracer = caps.tracer
     if (not (unscale_grad and update_scale) or dy is not None or s.dev is not None
             or (tracer is not None and tracer.trace_mode() is not None)
@@ -92,6 +98,7 @@ def backward(m: ScalerMachine, gm: Any, y: Any, dy: Any, unscale_grad: bool,
         check.flag = None  # read: the verdict is all that is needed of it from now on
         if found:
             backend.drop_grads(pending)
+            m.dropped.add(pending)
             grads = [None] * len(pending)
             m.forensics.overflowed_without_update(it.overflows(), s.value)
         if it.handout.watched:
@@ -209,6 +216,7 @@ def unscale(m: ScalerMachine, target: Any, what: str, drop: bool,
                        unscale=unscale, read=drop)
     if drop and check.found:
         backend.drop_grads(pending)
+        m.dropped.add(pending)
         grads = [None] * len(pending)
         m.forensics.overflowed_without_update(m.it.overflows(),
                                                  m.s.value)

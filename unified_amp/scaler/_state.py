@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import _tracing
+from ..errors import StateDictError
 from ._ledger import _no_version
 from ._scale_rule import check_factors, f32, next_scale
 from ..interface import (BackwardProbes, Collectives, DeviceResident, DeviceScale,
@@ -26,6 +27,8 @@ from ..interface import (BackwardProbes, Collectives, DeviceResident, DeviceScal
 __all__: list[str] = []
 
 _STATE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+# stats()'s counters, which the frameworks' own load_state_dict() do not read.
+_COUNTERS = ("steps", "skipped_steps", "last_step_skipped")
 
 
 class Caps:
@@ -139,59 +142,99 @@ class ScaleState:
                                               self.tracker, self.skipped_steps)
 
     # -- checkpoints ---------------------------------------------------------------------
-    def state_dict(self, aliases: tuple[str, ...]) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """torch.amp's five keys in its order, megengine.amp's "scale_factor" (the same
+        number) after "scale", and the telemetry's counters: the same dict on both
+        backends, which either framework's own scaler loads (each reads its keys).
+        Reads the device-resident values back (a sync, as torch.amp's is)."""
+        if self.dev is not None:
+            # The read waits for the device, so every telemetry copy queued before it
+            # has landed: the counters come from the newest, the scale and tracker from
+            # the read (a scale set since the last update has no telemetry copy).
+            self.sync_from_device()
+            value, tracker = self.value, self.tracker
+            self.poll()
+            self.value, self.tracker = value, tracker
         return {
             "scale": self.value,
-            **{alias: self.value for alias in aliases},
+            "scale_factor": self.value,
             "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor,
             "growth_interval": self.growth_interval,
             "_growth_tracker": self.tracker,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "last_step_skipped": self.last_step_skipped,
         }
 
     def load(self, state_dict: Any) -> None:
-        """Loads a dict from ``state_dict()``, torch.amp's or megengine.amp's; raises
-        TypeError / ValueError, and changes nothing, for a malformed one."""
+        """Loads a dict from ``state_dict()``, torch.amp's or megengine.amp's (no
+        counters: those stay as they are); raises StateDictError, and changes nothing,
+        for a malformed one."""
         if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"GradScaler.load_state_dict() expects a dict from state_dict(); got"
-                f" {type(state_dict).__name__}."
+            raise StateDictError(
+                f"GradScaler.load_state_dict() expects a state dict (a mapping, from"
+                f" state_dict()); got {type(state_dict).__name__}."
             )
         if len(state_dict) == 0:
-            raise ValueError(
+            raise StateDictError(
                 "The source state dict is empty, possibly because it was saved from a"
                 " disabled instance of GradScaler."
             )
         has_t, has_m = "scale" in state_dict, "scale_factor" in state_dict
         if not (has_t or has_m):
-            raise ValueError(
+            raise StateDictError(
                 f"GradScaler state dict has no 'scale' (torch.amp) or 'scale_factor'"
-                f" (megengine.amp) entry; its keys are {sorted(state_dict)}."
+                f" (megengine.amp) entry; its keys are {sorted(map(str, state_dict))}."
             )
         if has_t and has_m and state_dict["scale"] != state_dict["scale_factor"]:
-            raise ValueError(
+            raise StateDictError(
                 f"GradScaler state dict has both 'scale' ({state_dict['scale']!r}) and"
                 f" 'scale_factor' ({state_dict['scale_factor']!r}) and they disagree."
             )
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
-            raise ValueError(
+            raise StateDictError(
                 f"GradScaler state dict is missing {missing}; expected the keys 'scale',"
                 f" {', '.join(repr(k) for k in _STATE_KEYS)} from state_dict()."
             )
         scale = state_dict["scale"] if has_t else state_dict["scale_factor"]
         tracker = state_dict["_growth_tracker"]
+        counters = [state_dict[k] for k in _COUNTERS if k in state_dict]
         try:
             check_factors(scale, state_dict["growth_factor"], state_dict["backoff_factor"],
                           state_dict["growth_interval"], scale_name="scale")
-            if not isinstance(tracker, int) or isinstance(tracker, bool) or tracker < 0:
+            if not _count(tracker):
                 raise ValueError(f"_growth_tracker must be an int >= 0; got {tracker!r}.")
+            if counters:
+                _check_counters(state_dict, len(counters))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"GradScaler state dict is malformed: {exc}") from None
+            raise StateDictError(f"GradScaler state dict is malformed: {exc}") from None
         self.value = f32(float(scale))
         self.growth_factor = float(state_dict["growth_factor"])
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = state_dict["growth_interval"]
         self.tracker = tracker
+        if counters:
+            self.steps, self.skipped_steps, self.last_step_skipped = counters
+            self.as_of_step = self.steps
         if self.dev is not None:
-            self.dev.load(self.value, tracker)
+            self.dev.load(self.value, tracker, (self.steps, self.skipped_steps,
+                                                self.last_step_skipped) if counters else None)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_counters(state_dict: Mapping[str, Any], present: int) -> None:
+    if present != len(_COUNTERS):
+        raise ValueError(f"it holds some of the counters {list(_COUNTERS)} but not all;"
+                         f" give all three (from state_dict()) or none.")
+    steps, skipped, last = (state_dict[k] for k in _COUNTERS)
+    if not (_count(steps) and _count(skipped) and skipped <= steps):
+        raise ValueError(f"steps and skipped_steps must be ints with 0 <= skipped_steps"
+                         f" <= steps; got steps={steps!r}, skipped_steps={skipped!r}.")
+    if not isinstance(last, bool) or (last and skipped == 0):
+        raise ValueError(f"last_step_skipped must be a bool, and True only if"
+                         f" skipped_steps > 0; got {last!r} with skipped_steps={skipped!r}.")
