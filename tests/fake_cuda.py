@@ -288,7 +288,7 @@ class FakeCudaKit(Kit):
             return torch.nn.Softmax(dim=-1)(x)
         if row == "batch norm":
             return self.fake.module(
-                lambda: torch.nn.BatchNorm2d(3, track_running_stats=False))(img)
+                lambda: torch.nn.BatchNorm2d(2, track_running_stats=False))(img)
         if row == "layer norm":
             return self.fake.module(lambda: torch.nn.LayerNorm(8))(x)
         raise KeyError(row)
