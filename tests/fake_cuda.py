@@ -264,7 +264,7 @@ def fc():
 
 class FakeCudaKit(Kit):
     """The torch test kit's dtype-table ops on fake CUDA tensors: the same calls, with
-    the tensors made by factories (bypass 5) and batch norm without running
+    the tensors made by factories (bypass 5) and the batch norm module without running
     statistics (bypass 6). Only dtypes and devices of the results mean anything."""
 
     def __init__(self, fake: FakeCuda):
@@ -273,13 +273,6 @@ class FakeCudaKit(Kit):
 
     def tensor(self, a, dev, dtype="float32"):
         return torch.empty(np.shape(a), dtype=self.dtype_object(dtype), device=dev)
-
-    def run_op(self, row, inp, dev, low, kind):
-        if row != "batch norm":
-            return super().run_op(row, inp, dev, low, kind)
-        x = self.tensor(inp["img"], dev, low if kind == "low" else "float32")
-        return F.batch_norm(x, None, None, self.tensor(inp["bn_w"], dev),
-                            self.tensor(inp["bn_b"], dev), training=True)
 
     def run_module(self, row, inp, dev, low):
         x = self.tensor(inp["x"], dev, low)

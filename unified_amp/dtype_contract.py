@@ -141,7 +141,9 @@ class Row:
     call is this row's when its argument ``name`` is ``value``. ``wrapped``: places
     where the framework's own autocast gives the row's dtype but wrong values, so the
     adapter runs the op itself there ("megengine": casting the inputs and running it
-    with MegEngine's autocast off).
+    with MegEngine's autocast off). ``follows_first``: an "input" row whose output
+    follows its first tensor (the data) alone, not the widest of its inputs (batch
+    norm's float32 statistics and weights leave a float16 input's output float16).
     """
 
     name: str
@@ -164,6 +166,7 @@ class Row:
     no_bfloat16: bool = False
     megengine_when: str = ""
     wrapped: tuple[str, ...] = ()
+    follows_first: bool = False
 
     def kinds(self) -> tuple[str, ...]:
         """The input kinds the tests check this row with."""
@@ -441,8 +444,11 @@ ROWS: tuple[Row, ...] = (
        "F.nn.batch_norm", "F.nn.batch_norm(img, ch_mean.reshape(1, 2, 1, 1),"
        " ch_var.reshape(1, 2, 1, 1), ch_w.reshape(1, 2, 1, 1), ch_b.reshape(1, 2, 1, 1),"
        " training=False)",
-       reason="MegEngine: its autocast casts a float32 input down to float16; the adapter"
-              " runs a float32 input without it."),
+       reason="MegEngine: its autocast casts a float32 input down to float16, and its batch"
+              " norm of a float16 input with float32 weights returns float32 input"
+              " gradients and float16 bias gradients (with or without its autocast); the"
+              " adapter computes a float16 input in float32 and returns float16, and runs a"
+              " float32 input without autocast.", follows_first=True),
     _r("instance norm", "norm", "input", "", "F.instance_norm torch.instance_norm",
        "F.instance_norm(img)", "F.nn.instance_norm", "F.nn.instance_norm(img, False)"),
     _r("local response norm", "norm", "float32", "", "F.local_response_norm",

@@ -158,13 +158,14 @@ def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -
         widest = _widest(dtypes)
         args, kwargs = _cast(args, kwargs, widest)
         return _returned_as(_without_autocast(fn, args, kwargs), widest)
-    # "input": the op as without autocast; all-low inputs computed in float32 (where
-    # MegEngine's autocast upcasts, or its low-precision kernels fail) and returned in
-    # their dtype
-    if len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}:
-        (dtype,) = dtypes
+    # "input": the op as without autocast; a low-precision input computed in float32
+    # (where MegEngine's autocast upcasts, or its low-precision kernels fail) and
+    # returned in its dtype
+    first = dtype_name(next(t for t in tensors if _floating(t)).dtype) if dtypes else None
+    if row.follows_first and first in ("float16", "bfloat16") or (
+            len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}):
         args, kwargs = _cast(args, kwargs, "float32")
-        return _returned_as(_without_autocast(fn, args, kwargs), dtype)
+        return _returned_as(_without_autocast(fn, args, kwargs), first)
     return _without_autocast(fn, args, kwargs)
 
 

@@ -232,11 +232,13 @@ def _handler(row: table.Row, where: frozenset[str]) -> Handler:
             args, kwargs = _cast(args, kwargs, dev, widest)
             with _autocast_off(dev):
                 return _returned_as(func(*args, **kwargs), widest, name)
-        # "input": the op as without autocast; all-low inputs computed in float32 (where
-        # torch's own autocast on this device upcasts, or has no low kernel) and
-        # returned in their dtype
-        if len(dtypes) == 1 and next(iter(dtypes)) in LOW:
-            return in_float32(func, args, kwargs, dev, next(iter(dtypes)))
+        # "input": the op as without autocast; a low-precision input computed in float32
+        # (where torch's own autocast on this device upcasts, or has no low kernel) and
+        # returned in its dtype
+        first = next((t.dtype for t in _tensors(args, []) + _tensors(list(kwargs.values()), [])
+                      if t.dtype in _ELIGIBLE), None)
+        if row.follows_first and first in LOW or (len(dtypes) == 1 and first in LOW):
+            return in_float32(func, args, kwargs, dev, first)
         with _autocast_off(dev):
             return func(*args, **kwargs)
 

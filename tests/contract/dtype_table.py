@@ -16,9 +16,12 @@ import numpy as np
 from unified_amp.dtype_contract import ROWS, SAMPLES, Row, expected_dtype, row
 
 __all__ = ["ROWS", "Row", "row", "inputs", "names", "dtypes", "expected", "label",
-           "round_through", "call_of", "CASES"]
+           "round_through", "call_of", "CASES", "NOT_TRAINED"]
 
 LOWS = ("float16", "bfloat16")
+# Sample tensors no gradient reaches: targets, batch norm's running statistics, the
+# random samples of fractional max pooling.
+NOT_TRAINED = {"target", "t01", "tpos", "sign", "sign4", "ch_mean", "ch_var", "rs"}
 
 
 def _values(rng: np.random.RandomState, shape: tuple[int, ...], domain: str) -> np.ndarray:

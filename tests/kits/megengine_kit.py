@@ -39,6 +39,19 @@ class Kit(ContractKit, MegEngineKit):
         """The tensor methods that read values back to the host."""
         return mge.Tensor, ("item", "tolist", "numpy")
 
+    def grads_of(self, fn, leaves, block):
+        """The dtypes of ``leaves``' gradients from a backward pass through ``fn()`` run
+        inside ``block()`` (None where a leaf gets none)."""
+        from megengine.autodiff import GradManager
+
+        gm = GradManager().attach(leaves)
+        with gm:
+            with block():
+                out = fn()
+            gm.backward(out.astype("float32").sum())
+        self.synchronize()  # an asynchronous failure is this call's
+        return [None if t.grad is None else self.dtype_name(t.grad) for t in leaves]
+
     def call_scope(self):
         """The names the dtype table's MegEngine sample calls use besides its tensors."""
         return {"F": F, "mge": mge}

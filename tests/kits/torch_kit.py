@@ -31,6 +31,16 @@ class Kit(ContractKit, TorchKit):
         """The tensor methods that read values back to the host."""
         return torch.Tensor, ("item", "tolist", "numpy")
 
+    def grads_of(self, fn, leaves, block):
+        """The dtypes of ``leaves``' gradients from a backward pass through ``fn()`` run
+        inside ``block()`` (None where a leaf gets none)."""
+        with block():
+            out = fn()
+        if not out.requires_grad:
+            return [None] * len(leaves)
+        grads = torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
+        return [None if g is None else self.dtype_name(g) for g in grads]
+
     def call_scope(self):
         """The names the dtype table's torch sample calls use besides its tensors."""
         return {"torch": torch, "F": F}
