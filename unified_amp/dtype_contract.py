@@ -78,6 +78,9 @@ SAMPLES: dict[str, tuple[tuple[int, ...], str, str]] = {
     "cw1": ((2, 2, 3), "param", "normal"),
     "cw3": ((2, 2, 3, 3, 3), "param", "normal"),
     "tbcw": ((3, 2, 2), "param", "normal"),
+    "lw": ((1, 4, 4, 2, 3, 3, 2), "param", "normal"),  # local conv: a filter per position
+    "doff": ((1, 18, 4, 4), "param", "zero"),  # deformable conv: offsets, mask
+    "dmask": ((1, 9, 4, 4), "param", "one"),
     "ch_mean": ((2,), "param", "zero"),
     "ch_var": ((2,), "param", "one"),
     "ch_w": ((2,), "param", "one"),
@@ -246,6 +249,16 @@ ROWS: tuple[Row, ...] = (
               " casts the inputs to the low dtype."),
     _r("conv_tbc", "convolution", "low", "conv_tbc", "torch.conv_tbc",
        "torch.conv_tbc(tbc, tbcw, cb, 1)"),
+    _r("local conv2d", "convolution", "promote", "", "", None,
+       "F.local_conv2d F.nn.local_conv2d", "F.local_conv2d(img, lw, padding=1)",
+       reason="absent from torch: MegEngine's own rule (its autocast promotes GroupLocal)."),
+    _r("deformable conv2d", "convolution", "low", "", "", None,
+       "F.deformable_conv2d F.nn.deformable_conv2d",
+       "F.deformable_conv2d(img, cw, doff, dmask, padding=1)",
+       float32_compute="megengine-cpu",
+       reason="absent from torch: MegEngine's own rule (its autocast casts the inputs to the"
+              " low dtype). MegEngine CPU: no float16 kernel (its own autocast raises); the"
+              " adapter computes it in float32 and returns float16."),
     _r("prelu", "activation", "low", "prelu", "F.prelu torch.prelu", "F.prelu(x, pw)",
        "F.prelu F.nn.prelu", "F.prelu(x, pw)",
        reason="MegEngine: prelu is elementwise Python there (the widest input); the"
@@ -738,6 +751,7 @@ _TORCH_CPU: dict[str, str] = {
     'fake quantize': 'float32',
 }
 _MEGENGINE: dict[str, str] = {
+    'deformable conv2d': 'error',
     'conv3d': 'float32',
     'conv_transpose3d': 'float32',
     'prelu': 'float32',

@@ -21,7 +21,8 @@ __all__ = ["ROWS", "Row", "row", "inputs", "names", "dtypes", "expected", "label
 LOWS = ("float16", "bfloat16")
 # Sample tensors no gradient reaches: targets, batch norm's running statistics, the
 # random samples of fractional max pooling.
-NOT_TRAINED = {"target", "t01", "tpos", "sign", "sign4", "ch_mean", "ch_var", "rs"}
+NOT_TRAINED = {"target", "t01", "tpos", "sign", "sign4", "ch_mean", "ch_var", "rs", "doff",
+               "dmask"}
 
 
 def _values(rng: np.random.RandomState, shape: tuple[int, ...], domain: str) -> np.ndarray:
