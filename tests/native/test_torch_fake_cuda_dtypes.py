@@ -103,6 +103,15 @@ def test_the_contract_on_cuda_is_torch_cuda_autocast_with_no_mode(fc, name, low)
         assert stack == [0]
 
 
+@pytest.mark.parametrize("low", LOWS)
+@pytest.mark.parametrize("name", ["softmax", "batch norm", "layer norm"])
+def test_the_module_spellings_on_cuda(fc, name, low):
+    with amp.autocast(dtype=low, device="cuda"):
+        out = FakeCudaKit(fc).run_module(name, inputs(), "cuda", low)
+    assert out.device.type == "cuda"
+    assert str(out.dtype).removeprefix("torch.") == cuda_expected(row(name), "low", low)
+
+
 def test_autocast_with_no_device_covers_cuda_where_torch_sees_a_gpu(fc):
     """``amp.autocast()`` is ``torch.autocast("cuda")`` on a GPU machine: CUDA in
     float16, the CPU left alone, no mode pushed (docs/API.md, "Devices"). A nested
