@@ -1,4 +1,4 @@
-"""docs/DTYPE_CONTRACT.md's table, written from unified_amp/dtype_contract.py.
+"""docs/DTYPE_CONTRACT.md's table, written from unified_amp/dtype_contract/.
 
 Only the text between the page's table markers is generated; the prose around it is
 written by hand. tests/contract/test_dtype_table.py checks that the page holds what this
@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from unified_amp.dtype_contract import ROWS, Row  # noqa: E402
 
 DOC = ROOT / "docs" / "DTYPE_CONTRACT.md"
-BEGIN = "<!-- table:begin: written by tools/dtype_contract_page.py from unified_amp/dtype_contract.py -->"
+BEGIN = "<!-- table:begin: written by tools/dtype_contract_page.py from unified_amp/dtype_contract/ -->"
 END = "<!-- table:end -->"
 GROUPS = {
     "matmul": "Matmuls", "convolution": "Convolutions", "recurrent": "Recurrent cells",

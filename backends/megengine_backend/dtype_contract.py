@@ -1,4 +1,4 @@
-"""The dtype contract on MegEngine (unified_amp/dtype_contract.py), and MegEngine's
+"""The dtype contract on MegEngine (unified_amp/dtype_contract/), and MegEngine's
 autocast state as a block switches it.
 
 MegEngine decides its autocast dtypes in C++ (``dtype_promote.cpp``) and in a few Python
@@ -103,6 +103,10 @@ def _floating(t: Any) -> bool:
     return dtype_name(t.dtype) in ("float16", "bfloat16", "float32")
 
 
+def _name(t: Any) -> str:
+    return dtype_name(t.dtype) or str(t.dtype)
+
+
 def _cast(args: Any, kwargs: dict[str, Any], to: str,
           only: tuple[str, ...] = ("float16", "bfloat16", "float32")) -> tuple[Any, dict]:
     def cast(t: Any) -> Any:
@@ -139,8 +143,8 @@ def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -
             places + row.wrapped and row.native("megengine") == row.rule:
         return fn(*args, **kwargs)  # handled for its CPU kernels only
     in_float32 = "megengine" in places or ("megengine-cpu" in places and on_cpu(tensors[0]))
-    low = dtype_name(_get_amp_low_prec_dtype())
-    dtypes = {dtype_name(t.dtype) for t in tensors if _floating(t)}
+    low = dtype_name(_get_amp_low_prec_dtype()) or "float16"
+    dtypes = {_name(t) for t in tensors if _floating(t)}
     if row.rule == "refuse":
         raise RuntimeError(f"amp.autocast: {table.REFUSALS[row.name]}")
     if row.rule == "float32":
@@ -161,7 +165,7 @@ def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -
     # "input": the op as without autocast; a low-precision input computed in float32
     # (where MegEngine's autocast upcasts, or its low-precision kernels fail) and
     # returned in its dtype
-    first = dtype_name(next(t for t in tensors if _floating(t)).dtype) if dtypes else None
+    first = next((_name(t) for t in tensors if _floating(t)), "")
     if row.follows_first and first in ("float16", "bfloat16") or (
             len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}):
         args, kwargs = _cast(args, kwargs, "float32")
@@ -171,7 +175,7 @@ def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -
 
 def _promote(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
     """Mixed floating inputs to the widest of them (a disabled block in an enabled one)."""
-    dtypes = {dtype_name(t.dtype) for t in _tensors(args, kwargs) if _floating(t)}
+    dtypes = {_name(t) for t in _tensors(args, kwargs) if _floating(t)}
     if len(dtypes) > 1:
         args, kwargs = _cast(args, kwargs, _widest(dtypes))
     return fn(*args, **kwargs)

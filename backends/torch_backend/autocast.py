@@ -76,6 +76,7 @@ def _contract_action(enabled: bool, contract: bool, devs: list[str]) -> Any:
     enabled one puts PromoteMode on top. Otherwise the stack stays as it is, and so
     does what the enclosing block put there."""
     top = _top_mode()
+    want: Any
     if not contract:
         want = None
     elif enabled:

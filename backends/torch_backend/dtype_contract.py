@@ -1,4 +1,4 @@
-"""The dtype contract on torch (unified_amp/dtype_contract.py): two torch function modes.
+"""The dtype contract on torch (unified_amp/dtype_contract/): two torch function modes.
 
 The contract is torch's CUDA autocast policy, so on CUDA torch's own AutocastCUDA
 kernels keep it and nothing of ours runs: a block that covers only CUDA pushes no mode.

@@ -1,4 +1,4 @@
-"""The dtype contract's rows (unified_amp/dtype_contract.py) as the tests run them: the
+"""The dtype contract's rows (unified_amp/dtype_contract/) as the tests run them: the
 sample arrays, the dtype each sample tensor gets for an input kind, the dtype the
 contract expects, and the label of what a framework's own autocast gives.
 

@@ -1,4 +1,4 @@
-"""Each row of the dtype contract (unified_amp/dtype_contract.py), on each backend,
+"""Each row of the dtype contract (unified_amp/dtype_contract/), on each backend,
 device and low-precision dtype: the output dtype, the values, what the framework's own
 autocast gives (the natives the adapters act on), and MegEngine's missing ops.
 
@@ -348,5 +348,5 @@ def test_docs_table_is_generated_from_the_data():
     finally:
         sys.path.pop(0)
     assert dtype_contract_page.table_section() in DOC.read_text(), (
-        "docs/DTYPE_CONTRACT.md is out of step with unified_amp/dtype_contract.py:"
+        "docs/DTYPE_CONTRACT.md is out of step with unified_amp/dtype_contract/:"
         " run python tools/dtype_contract_page.py")

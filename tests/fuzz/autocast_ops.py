@@ -1,6 +1,6 @@
 """The autocast fuzz's ops, losses and runner on each framework.
 
-Every op is a row of the dtype contract (unified_amp/dtype_contract.py), run through the
+Every op is a row of the dtype contract (unified_amp/dtype_contract/), run through the
 row's own sample call: the program's (4, 8) activation fills the call's first data
 tensor (reshaped, cut or repeated to its shape, and mapped into its domain: positive for
 a logarithm, inside (-1, 1) for an arcsine), the call's other data tensors are constants

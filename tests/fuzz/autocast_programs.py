@@ -6,7 +6,7 @@ enabled ``autocast`` block holding ops and nested ``enabled=False`` / re-enabled
 ops after it, and a loss, inside the block or after it. The same program is written
 twice, once with unified_amp's blocks and once with the native autocast's, and both
 are run on the same inputs. Framework-free: the ops are the dtype contract's rows
-(unified_amp/dtype_contract.py: a new row enters the fuzz at once), implemented from
+(unified_amp/dtype_contract/: a new row enters the fuzz at once), implemented from
 their sample calls in ``autocast_ops``.
 """
 

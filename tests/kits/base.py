@@ -46,7 +46,7 @@ class ContractKit:
 
     # -- the dtype table ---------------------------------------------------------------
     def run_call(self, call, dev, low, kind, inp):
-        """A row's sample call (unified_amp/dtype_contract.py) on ``inp``'s arrays: the
+        """A row's sample call (unified_amp/dtype_contract/) on ``inp``'s arrays: the
         data tensors in the dtypes of ``kind`` (float32, ``low``, or mixed), parameters
         float32, indices as the framework's index type."""
         from ..contract.dtype_table import dtypes

@@ -3,7 +3,7 @@ CI run: torch's AutocastCUDA policy really dispatches; only the kernels' arithme
 absent. These check output dtypes and devices, not values (the contract's ``cuda``
 cases in tests/contract/test_dtype_table.py check values, on a GPU).
 
-The contract *is* torch's CUDA policy (unified_amp/dtype_contract.py): every row's rule
+The contract *is* torch's CUDA policy (unified_amp/dtype_contract/): every row's rule
 is what ``torch.autocast("cuda")`` gives its sample call, and a unified block that
 covers only CUDA pushes nothing, so a GPU step makes no Python call into unified_amp.
 """
