@@ -184,8 +184,8 @@ def _promote(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
 def _which(entries: list[tuple[str, str, table.Row]], fn: Callable, args: Any,
            kwargs: dict[str, Any]) -> table.Row:
     """The row a call belongs to, where one function serves several (``megengine_when``)."""
-    if len(entries) == 1:
-        return entries[0][2]
+    if len(entries) == 1 or not any(name for name, _, _ in entries):
+        return entries[0][2]  # several rows of one rule (F.matmul: matmul, mv, bmm)
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     for name, value, row in entries:
