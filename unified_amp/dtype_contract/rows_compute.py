@@ -105,7 +105,9 @@ ROWS: tuple[Row, ...] = (
        "F.pow Tensor.__pow__ Tensor.__rpow__", "F.pow(x, 2)"),
     _r("reciprocal", "elementwise", "float32", "reciprocal",
        "torch.reciprocal Tensor.reciprocal Tensor.__rtruediv__ Tensor.__rdiv__",
-       "torch.reciprocal(pos)"),
+       "torch.reciprocal(pos)", "Tensor.__rtruediv__", "1 / pos",
+       reason="A number divided by a tensor is this row on both: torch runs it as"
+              " reciprocal(x) * number."),
     _r("rsqrt", "elementwise", "float32", "rsqrt", "torch.rsqrt Tensor.rsqrt", "torch.rsqrt(pos)"),
     _r("acos", "elementwise", "float32", "acos", "torch.acos Tensor.acos torch.arccos",
        "torch.acos(unit)", "F.acos", "F.acos(unit)"),
@@ -134,7 +136,7 @@ ROWS: tuple[Row, ...] = (
     _r("multiply", "elementwise", "input", "", "torch.mul Tensor.mul Tensor.__mul__",
        "torch.mul(x, y)", "F.mul Tensor.__mul__", "F.mul(x, y)", mixed=True),
     _r("divide", "elementwise", "input", "", "torch.div Tensor.div Tensor.__truediv__",
-       "torch.div(x, pos)", "F.div Tensor.__truediv__ Tensor.__rtruediv__", "F.div(x, pos)",
+       "torch.div(x, pos)", "F.div Tensor.__truediv__", "F.div(x, pos)",
        reason="MegEngine: its autocast computes TRUE_DIV in float32; the adapter computes"
               " it so and returns the input's dtype.", mixed=True),
     _r("sqrt", "elementwise", "input", "", "torch.sqrt Tensor.sqrt", "torch.sqrt(pos)",
