@@ -1,13 +1,14 @@
 """Autocasting: torch.autocast per device, and the dtype contract, both in a form that
 ``torch.compile`` traces on every torch the extra admits (docs/COMPILE.md).
 
-The contract is a ``TorchFunctionMode`` on torch's function-mode stack rather than a
-Python flag read inside dispatcher kernels. Dynamo guards on that stack and inlines the
-mode's ``__torch_function__``, so the float32 casts become ordinary nodes of the captured
-graph: a graph traced with the contract differs from one traced without it, in dynamo's
-cache and in AOTAutograd's and inductor's (also on disk), and plain ``torch.autocast``
-never meets the contract. Eagerly the mode does the same casts, so eager and compiled
-code agree.
+The contract is a ``TorchFunctionMode`` (dtype_contract.py) on torch's function-mode
+stack rather than a Python flag read inside dispatcher kernels, pushed where a block's
+devices need it (the CPU; on CUDA torch's own policy is the contract). Dynamo guards on
+that stack and inlines the mode's ``__torch_function__``, so its casts become ordinary
+nodes of the captured graph: a graph traced with the contract differs from one traced
+without it, in dynamo's cache and in AOTAutograd's and inductor's (also on disk), and
+plain ``torch.autocast`` never meets the contract. Eagerly the mode does the same casts,
+so eager and compiled code agree.
 
 A block has three forms, picked when it is made or entered:
 
@@ -45,6 +46,7 @@ from . import autocast_dynamo
 from .autocast_dynamo import never_a_frame_of_its_own
 from .basics import DTYPES, default_dtype, devices
 from .dtype_contract import CONTRACT, MODE_DEVICES, PROMOTE, ContractMode, PromoteMode
+
 
 @torch.compiler.assume_constant_result
 def _cuda_lacking_bfloat16() -> str:
