@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from .row import Row, make_row as _r
 
+
+def _upcast(mode: str) -> str:
+    """The reason of a row MegEngine's autocast computes in float32 where the base does
+    not (its Elemwise modes in ``dtype_promote.cpp``)."""
+    return (f"MegEngine: its autocast computes {mode} in float32; the adapter returns the"
+            f" input's dtype (computed in float32).")
+
+
 ROWS: tuple[Row, ...] = (
     # -- matmuls and convolutions: low ----------------------------------------------------
     _r("linear", "matmul", "low", "linear", "F.linear", "F.linear(x, w, b)",
@@ -137,38 +145,32 @@ ROWS: tuple[Row, ...] = (
        "torch.mul(x, y)", "F.mul Tensor.__mul__", "F.mul(x, y)", mixed=True),
     _r("divide", "elementwise", "input", "", "torch.div Tensor.div Tensor.__truediv__",
        "torch.div(x, pos)", "F.div Tensor.__truediv__", "F.div(x, pos)",
-       reason="MegEngine: its autocast computes TRUE_DIV in float32; the adapter computes"
-              " it so and returns the input's dtype.", mixed=True),
+       reason=_upcast("TRUE_DIV"), mixed=True),
     _r("sqrt", "elementwise", "input", "", "torch.sqrt Tensor.sqrt", "torch.sqrt(pos)",
        "F.sqrt", "F.sqrt(pos)",
-       reason="MegEngine: its autocast computes SQRT in float32; the adapter returns the"
-              " input's dtype (computed in float32)."),
+       reason=_upcast("SQRT")),
     _r("sin", "elementwise", "input", "", "torch.sin Tensor.sin", "torch.sin(x)",
        "F.sin", "F.sin(x)",
-       reason="MegEngine: its autocast computes SIN in float32; the adapter returns the"
-              " input's dtype (computed in float32)."),
+       reason=_upcast("SIN")),
     _r("cos", "elementwise", "input", "", "torch.cos Tensor.cos", "torch.cos(x)",
        "F.cos", "F.cos(x)",
-       reason="MegEngine: its autocast computes COS in float32; the adapter returns the"
-              " input's dtype (computed in float32)."),
+       reason=_upcast("COS")),
     _r("atan", "elementwise", "input", "", "torch.atan Tensor.atan", "torch.atan(x)",
-       "F.atan", "F.atan(x)"),
+       "F.atan", "F.atan(x)",
+       reason="MegEngine: its atan is atan2(x, 1), whose ATAN2 its autocast computes in"
+              " float32; the adapter returns the input's dtype (computed in float32)."),
     _r("asinh", "elementwise", "input", "", "torch.asinh Tensor.asinh", "torch.asinh(x)",
        "F.asinh", "F.asinh(x)",
-       reason="MegEngine: its autocast computes ASINH in float32; the adapter returns the"
-              " input's dtype (computed in float32)."),
+       reason=_upcast("ASINH")),
     _r("acosh", "elementwise", "input", "", "torch.acosh Tensor.acosh", "torch.acosh(big)",
        "F.acosh", "F.acosh(big)",
-       reason="MegEngine: its autocast computes ACOSH in float32; the adapter returns the"
-              " input's dtype (computed in float32)."),
+       reason=_upcast("ACOSH")),
     _r("atanh", "elementwise", "input", "", "torch.atanh Tensor.atanh", "torch.atanh(unit)",
        "F.atanh", "F.atanh(unit)",
-       reason="MegEngine: its autocast computes ATANH in float32; the adapter returns the"
-              " input's dtype (computed in float32)."),
+       reason=_upcast("ATANH")),
     _r("logaddexp", "elementwise", "input", "", "torch.logaddexp Tensor.logaddexp",
        "torch.logaddexp(x, y)", "F.logaddexp", "F.logaddexp(x, y)",
-       reason="MegEngine: its autocast computes LOG_SUM_EXP in float32; the adapter"
-              " returns the input's dtype (computed in float32)."),
+       reason=_upcast("LOG_SUM_EXP")),
     _r("abs", "elementwise", "input", "", "torch.abs Tensor.abs", "torch.abs(x)", "F.abs",
        "F.abs(x)"),
     _r("square", "elementwise", "float32", "", "torch.square Tensor.square", "torch.square(x)",
@@ -200,12 +202,10 @@ ROWS: tuple[Row, ...] = (
        "F.hswish F.nn.hswish", "F.hswish(x)"),
     _r("hardsigmoid", "activation", "input", "", "F.hardsigmoid", "F.hardsigmoid(x)",
        "F.hsigmoid F.nn.hsigmoid", "F.hsigmoid(x)",
-       reason="MegEngine: its autocast computes HSIGMOID in float32; the adapter returns"
-              " the input's dtype (computed in float32)."),
+       reason=_upcast("HSIGMOID")),
     _r("logsigmoid", "activation", "input", "", "F.logsigmoid", "F.logsigmoid(x)",
        "F.logsigmoid F.nn.logsigmoid", "F.logsigmoid(x)",
-       reason="MegEngine: its autocast computes LOGSIGMOID in float32; the adapter returns"
-              " the input's dtype (computed in float32)."),
+       reason=_upcast("LOGSIGMOID")),
     _r("softplus", "activation", "float32", "softplus", "F.softplus", "F.softplus(x)",
        "F.softplus F.nn.softplus", "F.softplus(x)"),
     _r("softmax", "activation", "float32", "softmax.int",
