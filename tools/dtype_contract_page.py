@@ -49,6 +49,8 @@ def _notes(r: Row) -> str:
                      " input.")
     if r.no_bfloat16:
         notes.append("bfloat16 input: an error everywhere (no complex bfloat16 dtype).")
+    if r.compiled:
+        notes.append(f"Under torch.compile: {r.compiled}")
     if r.fake_cuda:
         notes.append(f"Not checked on fake CUDA: {r.fake_cuda}.")
     return " ".join(notes)

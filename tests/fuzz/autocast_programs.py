@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from unified_amp.dtype_contract import ROWS
 
 # Each op maps the program's (4, 8) activation to a (4, 8) activation: every row of the
-# contract the fuzz can feed (Row.fuzz), by name; a backend draws from those it has.
-OPS = tuple(r.name for r in ROWS if r.fuzz and r.rule != "refuse")
+# contract the fuzz can feed (Row.fuzz), by name; a backend draws from those it has
+# (autocast_ops.op_names). OPS, the default, is torch's ops that hold compiled too (the
+# compiled fuzz's: Row.compiled names those that do not).
+ALL_OPS = tuple(r.name for r in ROWS if r.fuzz and r.rule != "refuse")
+OPS = tuple(r.name for r in ROWS if r.name in ALL_OPS and r.torch_call and not r.compiled)
 LOSSES = ("cross_entropy", "mse", "bce_with_logits", "nll")
 
 # Where torch.compile is made to break the graph or give up on the frame

@@ -118,6 +118,8 @@ class Row:
     with MegEngine's autocast off). ``follows_first``: an "input" row whose output
     follows its first tensor (the data) alone, not the widest of its inputs (batch
     norm's float32 statistics and weights leave a float16 input's output float16).
+    ``compiled``: where code compiled by ``torch.compile`` keeps torch's own rule
+    instead, and why.
     """
 
     name: str
@@ -141,6 +143,7 @@ class Row:
     megengine_when: str = ""
     wrapped: tuple[str, ...] = ()
     follows_first: bool = False
+    compiled: str = ""
 
     def kinds(self) -> tuple[str, ...]:
         """The input kinds the tests check this row with."""

@@ -33,7 +33,7 @@ ROWS: tuple[Row, ...] = (
        "torch.addbmm(m24, a3, b3)"),
     _r("einsum", "matmul", "low", "einsum", "torch.einsum", "torch.einsum('ij,kj->ik', x, w)"),
     _r("multi-dot", "matmul", "low", "linalg_multi_dot chain_matmul",
-       "torch.linalg.multi_dot torch.chain_matmul", "torch.linalg.multi_dot([x, w, w])"),
+       "torch.linalg.multi_dot torch.chain_matmul torch._VF.chain_matmul", "torch.linalg.multi_dot([x, w, w])"),
     _r("vector dot along a dimension", "matmul", "low", "linalg_vecdot", "torch.linalg.vecdot",
        "torch.linalg.vecdot(x, y)"),
     _r("conv1d", "convolution", "low", "conv1d conv1d.padding", "F.conv1d torch.conv1d",

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from .row import Row, make_row as _r
 
+# torch.compile's dynamo inlines F.pad (a Python function) and, inside it, consults no
+# torch function mode (torch 2.13: its has_torch_function asks the arguments only, and
+# torch._C._nn.pad is not an overridable function).
+_INLINED_PAD = ("compiled on the CPU, a low-precision input keeps torch's CPU autocast"
+                " (float32): dynamo inlines F.pad and consults no function mode inside it.")
+
 ROWS: tuple[Row, ...] = (
     # -- reductions ------------------------------------------------------------------------
     _r("sum", "reduction", "float32", "sum sum.dim_IntList", "torch.sum Tensor.sum",
@@ -74,7 +80,7 @@ ROWS: tuple[Row, ...] = (
               " to float32 and runs it without."),
     _r("vector norm", "norm", "float32", "linalg_vector_norm norm.Scalar norm.ScalarOpt_dim"
        " frobenius_norm.dim",
-       "torch.linalg.vector_norm torch.linalg.norm torch.norm Tensor.norm torch.frobenius_norm",
+       "torch.linalg.vector_norm torch.linalg.norm torch.norm Tensor.norm torch.frobenius_norm torch._VF.norm torch._VF.frobenius_norm",
        "torch.linalg.vector_norm(x, dim=1)", "F.norm", "F.norm(x, axis=1)"),
     _r("matrix norm", "norm", "float32", "linalg_matrix_norm linalg_matrix_norm.str_ord",
        "torch.linalg.matrix_norm", "torch.linalg.matrix_norm(x)"),
@@ -110,30 +116,30 @@ ROWS: tuple[Row, ...] = (
     _r("average pool 3-d", "pool", "input", "avg_pool3d", "F.avg_pool3d",
        "F.avg_pool3d(vol, 2)"),
     _r("adaptive average pool 3-d", "pool", "input", "adaptive_avg_pool3d",
-       "F.adaptive_avg_pool3d", "F.adaptive_avg_pool3d(vol, 1)"),
+       "F.adaptive_avg_pool3d torch._C._nn.adaptive_avg_pool3d", "F.adaptive_avg_pool3d(vol, 1)"),
     _r("max pool 3-d", "pool", "input", "max_pool3d", "F.max_pool3d torch.max_pool3d",
        "F.max_pool3d(vol, 2)"),
     _r("adaptive max pool 3-d", "pool", "input", "adaptive_max_pool3d",
-       "F.adaptive_max_pool3d", "F.adaptive_max_pool3d(vol, 1)"),
+       "F.adaptive_max_pool3d torch._C._nn.adaptive_max_pool3d", "F.adaptive_max_pool3d(vol, 1)"),
     _r("fractional max pool", "pool", "input", "fractional_max_pool2d fractional_max_pool3d",
-       "F.fractional_max_pool2d F.fractional_max_pool3d",
+       "F.fractional_max_pool2d F.fractional_max_pool3d torch._C._nn.fractional_max_pool2d torch._C._nn.fractional_max_pool3d",
        "F.fractional_max_pool2d(img, 2, output_size=2, _random_samples=rs)"),
     _r("max unpool", "pool", "input", "max_unpool2d max_unpool3d",
-       "F.max_unpool2d F.max_unpool3d",
+       "F.max_unpool2d F.max_unpool3d torch._C._nn.max_unpool2d torch._C._nn.max_unpool3d",
        "F.max_unpool2d(*F.max_pool2d(img, 2, return_indices=True), 2)"),
     _r("interpolate nearest", "resample", "float32",
        "upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d"
        " _upsample_nearest_exact2d _upsample_nearest_exact3d",
-       "F.interpolate F.upsample F.upsample_nearest",
+       "F.interpolate F.upsample F.upsample_nearest torch._C._nn.upsample_nearest1d torch._C._nn.upsample_nearest2d torch._C._nn.upsample_nearest3d torch._C._nn._upsample_nearest_exact1d torch._C._nn._upsample_nearest_exact2d torch._C._nn._upsample_nearest_exact3d",
        "F.interpolate(img, scale_factor=2, mode='nearest')", "F.nn.interpolate",
        "F.nn.interpolate(img, scale_factor=2, mode='nearest')"),
     _r("interpolate linear", "resample", "float32",
        "upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d",
-       "F.interpolate F.upsample F.upsample_bilinear",
+       "F.interpolate F.upsample F.upsample_bilinear torch._C._nn.upsample_linear1d torch._C._nn.upsample_bilinear2d torch._C._nn._upsample_bilinear2d_aa torch._C._nn.upsample_trilinear3d",
        "F.interpolate(img, scale_factor=2, mode='bilinear')", "F.nn.interpolate",
        "F.nn.interpolate(img, scale_factor=2, mode='bilinear')"),
     _r("interpolate bicubic", "resample", "float32",
-       "upsample_bicubic2d _upsample_bicubic2d_aa", "F.interpolate",
+       "upsample_bicubic2d _upsample_bicubic2d_aa", "F.interpolate torch._C._nn.upsample_bicubic2d torch._C._nn._upsample_bicubic2d_aa",
        "F.interpolate(img, scale_factor=2, mode='bicubic')", "F.nn.interpolate",
        "F.nn.interpolate(img, scale_factor=2, mode='bicubic')"),
     _r("grid sample", "resample", "promote",
@@ -141,9 +147,11 @@ ROWS: tuple[Row, ...] = (
        "F.grid_sample torch.grid_sampler", "F.grid_sample(img, grid, align_corners=False)",
        fake_cuda="fake CUDA runs grid_sampler_2d's Python decomposition, whose indexing needs a CUDA device guard that a CPU build lacks"),
     _r("reflection pad", "pad", "input", "reflection_pad1d reflection_pad2d",
-       "F.pad", "F.pad(img, (1, 1, 1, 1), mode='reflect')", "F.nn.pad",
-       "F.nn.pad(img, ((0, 0), (0, 0), (1, 1), (1, 1)), mode='reflect')"),
+       "F.pad torch._C._nn.pad torch._C._nn.reflection_pad1d torch._C._nn.reflection_pad2d", "F.pad(img, (1, 1, 1, 1), mode='reflect')", "F.nn.pad",
+       "F.nn.pad(img, ((0, 0), (0, 0), (1, 1), (1, 1)), mode='reflect')",
+       compiled=_INLINED_PAD),
     _r("replication pad", "pad", "input", "replication_pad1d replication_pad2d"
-       " replication_pad3d", "F.pad", "F.pad(img, (1, 1, 1, 1), mode='replicate')",
-       "F.nn.pad", "F.nn.pad(img, ((0, 0), (0, 0), (1, 1), (1, 1)), mode='edge')"),
+       " replication_pad3d", "F.pad torch._C._nn.pad torch._C._nn.replication_pad1d torch._C._nn.replication_pad2d torch._C._nn.replication_pad3d", "F.pad(img, (1, 1, 1, 1), mode='replicate')",
+       "F.nn.pad", "F.nn.pad(img, ((0, 0), (0, 0), (1, 1), (1, 1)), mode='edge')",
+       compiled=_INLINED_PAD),
 )
