@@ -19,10 +19,21 @@ from unified_amp.dtype_contract import ROWS
 
 # Each op maps the program's (4, 8) activation to a (4, 8) activation: every row of the
 # contract the fuzz can feed (Row.fuzz), by name; a backend draws from those it has
-# (autocast_ops.op_names). OPS, the default, is torch's ops that hold compiled too (the
+# (autocast_ops.op_names), but not those its own autocast raises on (contract=False
+# programs run it). OPS, the default, is torch's ops that hold compiled too (the
 # compiled fuzz's: Row.compiled names those that do not).
 ALL_OPS = tuple(r.name for r in ROWS if r.fuzz and r.rule != "refuse")
-OPS = tuple(r.name for r in ROWS if r.name in ALL_OPS and r.torch_call and not r.compiled)
+
+
+def native_raises(r, framework: str) -> bool:
+    """Whether ``framework``'s own autocast ("torch-cpu", "megengine") raises on the row
+    for a float32 or a low-precision input (a contract=False program cannot hold it:
+    the programs' other inputs follow the activation's dtype, so none is mixed)."""
+    return "error" in r.native(framework).replace("mixed: error", "")
+
+
+OPS = tuple(r.name for r in ROWS if r.name in ALL_OPS and r.torch_call and not r.compiled
+            and not native_raises(r, "torch-cpu"))
 LOSSES = ("cross_entropy", "mse", "bce_with_logits", "nll")
 
 # Where torch.compile is made to break the graph or give up on the frame
