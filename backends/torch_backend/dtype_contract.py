@@ -295,7 +295,9 @@ class ContractMode(TorchFunctionMode):
 # The ops whose inputs autocast casts (every row but the "input" ones): those whose
 # mixed floating inputs torch refuses (matmuls, convolutions, norms) or computes in the
 # wrong precision without autocast.
-PROMOTED = frozenset(fn for fn, row in _spellings(table.ROWS).items() if row.rule != "input")
+# (A dict, read with .get as HANDLERS is: dynamo hashes a builtin for set membership
+# and fails, "Missing hash_impl override".)
+PROMOTED = {fn: True for fn, row in _spellings(table.ROWS).items() if row.rule != "input"}
 
 
 class PromoteMode(TorchFunctionMode):
@@ -306,7 +308,7 @@ class PromoteMode(TorchFunctionMode):
                            kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if func in PROMOTED:
+        if PROMOTED.get(func):
             tensors = _tensors(args, []) + _tensors(list(kwargs.values()), [])
             dtypes = {t.dtype for t in tensors if t.dtype in _ELIGIBLE}
             if len(dtypes) > 1:

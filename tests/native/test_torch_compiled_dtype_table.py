@@ -27,7 +27,13 @@ def kept(kind):
     torch call; not the refusal, nor an FFT of a bfloat16 input: both raise, eagerly
     and compiled alike (tests/contract)."""
     return [r for r in ROWS if r.torch_call and "cpu" in adapter.handled_devices(r)
-            and r.rule != "refuse" and not (r.no_bfloat16 and kind != "float32")]
+            and r.rule != "refuse" and not (r.no_bfloat16 and kind != "float32")
+            and r.name not in UNTRACEABLE]
+
+
+# Rows dynamo cannot put in one graph whatever the mode does: CTC loss's output shape
+# depends on its inputs' values ("Dynamic shape operator").
+UNTRACEABLE = {"CTC loss"}
 
 
 @pytest.mark.parametrize("kind", ["float32", "low"])
@@ -46,7 +52,7 @@ def test_the_rows_the_mode_keeps_hold_compiled(kind):
 
     torch._dynamo.reset()
     try:
-        got = torch.compile(block, backend="aot_eager")()
+        got = torch.compile(block, backend="aot_eager", fullgraph=True)()
     finally:
         torch._dynamo.reset()
     wrong = {r.name: (str(out.dtype), expected(r, kind, LOW, r.torch_call))
