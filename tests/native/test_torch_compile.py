@@ -466,7 +466,7 @@ def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(monkey
     stream tracking asks torch.accelerator), which fails. torch.autocast("cuda") then
     warns, while tracing, that CUDA is absent; that is torch's, not the block's."""
     monkeypatch.setattr(torch_autocast, "devices",
-                        lambda device: [device] if device else ["cpu", "cuda"])
+                        lambda device, enabled: [device] if device else ["cpu", "cuda"])
     asked_while_tracing = []
 
     def untraceable(*args, **kwargs):
