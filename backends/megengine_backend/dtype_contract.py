@@ -12,8 +12,10 @@ Autocast kernels run theirs with autocast excluded: the casts are the wrapper's.
 
 Inside an ``amp.autocast(enabled=False)`` block nested in an enabled one, the wrappers
 of the contract's cast ops (every row but the "input" ones) cast mixed floating inputs
-to the widest of them, as MegEngine's own promotion does for the others; its layer
-norm, given a float16 input and float32 weights without autocast, ends the process.
+to the widest of them, as MegEngine's own promotion does for the others (its layer
+norm, given a float16 input and float32 weights without autocast, ends the process);
+the "input" rows hand a low-precision input's result back in its dtype (MegEngine's
+mean is float32 even without autocast).
 """
 
 from __future__ import annotations
@@ -181,6 +183,17 @@ def _promote(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
     return fn(*args, **kwargs)
 
 
+def _following_input(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An "input" row in a disabled block in an enabled one: MegEngine's reduce gives a
+    float32 mean of a float16 input even without autocast (torch: float16), so a
+    low-precision input's result is handed back in its dtype."""
+    dtypes = {_name(t) for t in _tensors(args, kwargs) if _floating(t)}
+    out = fn(*args, **kwargs)
+    if len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}:
+        return _returned_as(out, next(iter(dtypes)))
+    return out
+
+
 def _which(entries: list[tuple[str, str, table.Row]], fn: Callable, args: Any,
            kwargs: dict[str, Any]) -> table.Row:
     """The row a call belongs to, where one function serves several (``megengine_when``)."""
@@ -206,7 +219,7 @@ def _wrapper(fn: Callable, entries: list[tuple[str, str, table.Row]]) -> Callabl
                 return fn(*args, **kwargs)
             return _contract(row, fn, args, kwargs)
         if row.rule == "input":
-            return fn(*args, **kwargs)
+            return _following_input(fn, args, kwargs)
         return _promote(fn, args, kwargs)
 
     wrapped.__unified_amp_wraps__ = fn  # type: ignore[attr-defined]
