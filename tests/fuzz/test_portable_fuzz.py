@@ -4,11 +4,12 @@ interpreter (portable_runner.py), compared call by call.
 
 Per call both backends must give the same outcome (both go on, or both raise the same
 error class), the same dtypes in the forward pass, the same ``stats()`` (scale
-trajectory, skip decisions and counters), gradients and weights within float16's error,
-the same skip decisions (weights moved or not), the same ``clip_grad_norm`` (within
-float16's error; inf and NaN alike), the same state dicts, which each framework's own
-scaler loads as its own; where both refuse a bad state dict, ours is also the type the
-framework's own scaler raises. A call where they part is one of the rows of
+trajectory, skip decisions and counters), gradients within float16's error of what was
+summed into them (Summed; an overflowed one's inf, -inf and NaN alike), weights within
+float16's error, the same skip decisions (weights moved or not), the same
+``clip_grad_norm`` (within float16's error; inf and NaN alike), the same state dicts,
+which each framework's own scaler loads as its own; where both refuse a bad state dict,
+ours is also the type the framework's own scaler raises. A call where they part is one of the rows of
 docs/DROP_IN.md's table "Where the backends part, call by call" (the program ends there)
 or a failure naming the seed, the index and the call.
 
