@@ -10,7 +10,7 @@ import pytest
 
 import unified_amp as amp
 from unified_amp import _registry, interface
-from unified_amp.scaler._scale_rule import next_scale
+from unified_amp._scale_rule import next_scale
 
 from .fake_backend import FakeBackend, FakeOptimizer, FakeTensor, linear_loss
 

@@ -43,7 +43,7 @@ from .. import _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from .._registry import get_backend
-from ._scale_rule import check_factors, next_scale, valid_scale
+from .._scale_rule import check_factors, next_scale, valid_scale
 from ._machine import ScalerMachine
 from ._state import ScaleState
 from ._targets import is_optimizer

@@ -16,7 +16,7 @@ from typing import Any
 from .. import _foreign, distributed
 from ..errors import ScalerStateError
 from ._machine import Check, ScalerMachine, Stage, by_grad, refuse_fp16
-from ._scale_rule import valid_scale
+from .._scale_rule import valid_scale
 from ._state import Caps
 from ._targets import each_tensor, is_optimizer, params_of
 

@@ -20,7 +20,7 @@ from typing import Any
 from .. import _tracing
 from ..errors import StateDictError
 from ._ledger import _no_version
-from ._scale_rule import check_factors, f32, next_scale
+from .._scale_rule import check_factors, f32, next_scale
 from ..interface import (BackwardProbes, Collectives, DeviceResident, DeviceScale,
                         GradVersions, Tracing, capability)
 
