@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._machine import Check
+from ._iteration import Check
 from ..interface import DeviceScale
 
 __all__ = ["AdapterView"]
@@ -50,36 +50,37 @@ class AdapterView:
 
     @property
     def device_scale(self) -> DeviceScale | None:
-        return self._m.s.dev
+        return self._m.scale_state.device_scale
 
     def host_scale(self) -> tuple[float, int]:
-        return self._m.s.value, self._m.s.tracker
+        numbers = self._m.scale_state
+        return numbers.scale, numbers.growth_tracker
 
     def synced_scale(self) -> tuple[float, int]:
-        self._m.s.sync_from_device()
+        self._m.scale_state.sync_from_device()
         return self.host_scale()
 
     def stages(self) -> dict[int, tuple[str, list[Check]]]:
-        return {key: (state.stage.name, list(state.checks))
-                for key, state in self._m.it.opt_states.items()}
+        return {key: (stage.stage.name, list(stage.checks))
+                for key, stage in self._m.iteration.optimizers.items()}
 
     def checks_of(self, optimizer: Any) -> list[Check]:
-        state = self._m.it.opt_states.get(id(optimizer))
-        return [] if state is None else list(state.checks)
+        stage = self._m.iteration.optimizers.get(id(optimizer))
+        return [] if stage is None else list(stage.checks)
 
     def step_deferred(self, step: Any, optimizer: Any, args: tuple, kwargs: dict
                       ) -> tuple[tuple[Any, tuple, dict] | None, Any]:
         m = self._m
-        m.defer_steps, m.deferred = True, None
+        m.defer_optimizer_step, m.deferred_step = True, None
         try:
             result = step(optimizer, *args, **kwargs)
-            return m.deferred, result
+            return m.deferred_step, result
         finally:
-            m.defer_steps, m.deferred = False, None
+            m.defer_optimizer_step, m.deferred_step = False, None
 
     def check_only(self, optimizer: Any) -> Check:
         m = self._m
         params = [p for g in optimizer.param_groups for p in g["params"]]
         check = m.check(params, unscale=False, read=False, allow_fp16=True)
-        m.it.opt_state(optimizer).checks.append(check)
+        m.iteration.optimizer(optimizer).checks.append(check)
         return check
