@@ -19,7 +19,7 @@ from typing import Any
 
 from ._scale_rule import f32
 from .errors import UnsupportedTraceError
-from .interface import Tracing, capability
+from .capabilities import Tracing, capability
 
 RERUN = "rerun"
 ONCE = "once"

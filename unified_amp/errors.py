@@ -22,6 +22,7 @@ __all__ = [
     "ScalerStateError",
     "ScalerArgumentError",
     "StateDictError",
+    "MissingCapabilityError",
     "PortabilityWarning",
     "CompileWarning",
 ]
@@ -110,6 +111,14 @@ class StateDictError(UnifiedAmpError, ValueError, RuntimeError, KeyError, TypeEr
     def __str__(self) -> str:
         # KeyError's own str() would quote the message.
         return str(self.args[0]) if self.args else ""
+
+
+class MissingCapabilityError(UnifiedAmpError, NotImplementedError):
+    """A feature the active backend's adapter does not provide: an optional capability
+    (``unified_amp.capabilities``: ``amp.initialize`` needs ``OptLevelCasting``,
+    ``amp.trace_forward`` needs ``ForensicsProbes``, ...), or, when an adapter is loaded,
+    a method of the required core (``unified_amp.interface.Backend``). Names the backend,
+    the capability and the methods its adapter lacks."""
 
 
 class PortabilityWarning(UserWarning):

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import _foreign, _tracing
+from .capabilities import ForensicsProbes, capability, require
 from .errors import _user_stacklevel
 from .interface import LOW_PRECISION
 from ._registry import get_backend
@@ -313,7 +314,7 @@ class ForwardTrace:
                 + (_foreign.hint(model, backend.name)
                    or " Pass the model itself, e.g. amp.trace_forward(model).")
             )
-        self._backend = backend
+        self._backend: Any = require(backend, ForensicsProbes, "amp.trace_forward")
         self.model = model
         self._modules: list[tuple[str, str]] = []  # (name, class name) by hook index
         self._module_refs: list[Callable[[], Any]] = []  # the modules, by hook index
@@ -556,6 +557,7 @@ class ScalerForensics:
                     f" parameters get names in overflow reports); got"
                     f" {type(model).__name__}.{hint or _foreign.hint(model, backend.name)}"
                 )
+            require(backend, ForensicsProbes, "GradScaler.watch(model)")
             if all(ref() is not model for ref in self._models):
                 self._models.append(_ref(model))
         self.warn_after, self.warn_below = warn_after, float(warn_below)
@@ -630,7 +632,9 @@ class ScalerForensics:
     # -- the report: only after a check found an inf/NaN -----------------------------------
     def _report(self, params: list[Any], step: int, scale: float,
                 overflows_since_update: int) -> None:
-        backend = get_backend()
+        backend = capability(get_backend(), ForensicsProbes)
+        if backend is None:
+            return  # an adapter without the probes gets no reports (the warning stays)
         with_grad = [p for p in params if p.grad is not None]
         loss = self.loss
         if loss is not None and math.prod(int(d) for d in loss.shape) != 1:

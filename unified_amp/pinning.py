@@ -22,6 +22,7 @@ from typing import Any
 from .apex import _state as _amp_state
 from . import _foreign
 from ._casting import _cast_tree
+from .capabilities import OptLevelCasting, require
 from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .autocast import autocast
@@ -180,8 +181,10 @@ def _pin(module: Any, backend: Any) -> None:
         # parameter objects. Where a master weight holds the exact value, it is used;
         # O2 copies the masters in after every step anyway.
         pin.recast = backend.dtype_name(low[0].dtype)
-        backend.cast_module(module, "float32", False)
-        _refill_from_masters(module, backend)
+        casting = require(backend, OptLevelCasting,
+                          f"amp.keep_float32 of a module with {pin.recast} weights")
+        casting.cast_module(module, "float32", False)
+        _refill_from_masters(module, casting)
 
 
 def _refill_from_masters(module: Any, backend: Any) -> None:
@@ -199,7 +202,8 @@ def _unpin(module: Any, backend: Any) -> None:
     if pin is None:
         return
     if pin.recast is not None:
-        backend.cast_module(module, pin.recast, True)
+        require(backend, OptLevelCasting, "amp.keep_float32(..., enabled=False)"
+                ).cast_module(module, pin.recast, True)
     if vars(module).get("forward") is pin:
         if pin.inner is None:
             del module.forward

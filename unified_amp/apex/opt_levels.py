@@ -27,6 +27,7 @@ from . import _patch, _stale, _state
 from ._presets import OptProperties, resolve_properties
 from .._registry import get_backend
 from ..scaler._targets import is_optimizer
+from ..capabilities import OptLevelCasting, require
 from ..interface import LOW_PRECISION
 from ..scaler._grad_scaler import GradScaler
 
@@ -203,6 +204,7 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
         _state.remember(_AmpState(None, num_losses), model_list + opt_list)
         return result()
 
+    require(backend, OptLevelCasting, "amp.initialize")
     params = [p for m in model_list for p in m.parameters()]
     for p in params:
         name = backend.dtype_name(p.dtype)

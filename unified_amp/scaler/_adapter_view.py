@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._iteration import Check
-from ..interface import DeviceScale
+from ..capabilities import DeviceScale
 
 __all__ = ["AdapterView"]
 

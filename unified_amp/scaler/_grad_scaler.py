@@ -49,7 +49,7 @@ from ._state import ScaleState
 from ._targets import is_optimizer
 from ..errors import ScalerStateError
 from ..forensics import OverflowReport, ScalerForensics
-from ..interface import NativeScalerClass, capability
+from ..capabilities import NativeScalerClass, capability
 
 __all__ = ["GradScaler", "AdapterView", "next_scale"]
 

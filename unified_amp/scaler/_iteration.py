@@ -13,7 +13,7 @@ import enum
 from typing import Any
 
 from ..errors import ScalerStateError
-from ..interface import BackwardProbes
+from ..capabilities import BackwardProbes
 
 __all__: list[str] = []
 

@@ -35,8 +35,8 @@ from .. import _foreign, _overflowed, _tracing, distributed
 from .._registry import get_backend
 from .._scale_rule import valid_scale
 from ..errors import ScalerStateError, _user_stacklevel
-from ..interface import (BackwardProbes, Collectives, DeviceResident, GradVersions, Tracing,
-                         capability)
+from ..capabilities import (BackwardProbes, Collectives, DeviceResident, GradVersions,
+                            Tracing, capability)
 from ._iteration import Check, Iteration, Stage
 from ._ledger import GradLedger, _no_version, by_grad
 from ._state import ScaleState

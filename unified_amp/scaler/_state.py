@@ -17,7 +17,7 @@ from typing import Any
 from .. import _tracing
 from ..errors import StateDictError
 from .._scale_rule import check_factors, f32, next_scale
-from ..interface import DeviceScale, Tracing
+from ..capabilities import DeviceScale, Tracing
 
 __all__: list[str] = []
 
