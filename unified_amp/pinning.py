@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .apex import _state as _amp_state
+from . import _latest_initialize
 from . import _foreign
 from ._casting import _cast_tree
 from .capabilities import OptLevelCasting, require
@@ -188,7 +188,7 @@ def _pin(module: Any, backend: Any) -> None:
 
 
 def _refill_from_masters(module: Any, backend: Any) -> None:
-    state = _amp_state.latest()  # the latest initialize's
+    state = _latest_initialize.latest()
     master_of = getattr(state, "master_of", None) if state is not None else None
     if not master_of:
         return
