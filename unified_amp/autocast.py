@@ -123,7 +123,8 @@ class autocast:
         dtype: "float16" or "bfloat16" (or a framework dtype object). None picks the
             device's fast low precision: float16 on CUDA; on CPU bfloat16 where the
             backend computes it (torch) and float16 otherwise (MegEngine).
-        device: "cpu", "cuda" or None for every device the tensors may live on.
+        device: "cpu", "cuda" or None: the device the backend puts work on (on torch,
+            CUDA where torch sees a GPU, else the CPU; a disabled block: every device).
         contract: True (default) applies unified_amp's dtype contract, the same op
             dtypes on both backends (docs/DTYPE_CONTRACT.md). False runs each
             framework's own autocast op lists unchanged, so that a loop that also

@@ -31,6 +31,13 @@ class _Tape:
         self.gm.release()
 
     def backward(self, ys: Sequence[Any], dys: Sequence[Any] | None) -> None:
+        if dys is not None and len(dys) == len(ys):
+            # torch's autograd casts a cotangent to its output's dtype; MegEngine's
+            # backward asserts instead, in an elementwise kernel (a float32 dy for a
+            # float16 loss, which the contract leaves float16 where `mean` follows its
+            # input). Cast as torch does; a dy of the output's dtype is passed as it is.
+            dys = [dy if getattr(dy, "dtype", None) in (None, getattr(y, "dtype", None))
+                   else dy.astype(y.dtype) for y, dy in zip(ys, dys)]
         self.gm.backward(list(ys), None if dys is None else list(dys))
 
 

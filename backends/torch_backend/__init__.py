@@ -26,8 +26,8 @@ def _import_parts() -> None:
     are set. Imported here first, nothing of them is compiled; the imports below find
     them in ``sys.modules``.
     """
-    for part in ("basics", "autocast", "device_scale", "distributed", "forensics", "grads",
-                 "opt_levels", "scaler", "scaling"):
+    for part in ("basics", "dtype_contract", "autocast", "device_scale", "distributed",
+                 "forensics", "grads", "opt_levels", "scaler", "scaling"):
         importlib.import_module(f"{__name__}.{part}")
 
 

@@ -1,13 +1,14 @@
 """Autocasting: torch.autocast per device, and the dtype contract, both in a form that
 ``torch.compile`` traces on every torch the extra admits (docs/COMPILE.md).
 
-The contract is a ``TorchFunctionMode`` on torch's function-mode stack rather than a
-Python flag read inside dispatcher kernels. Dynamo guards on that stack and inlines the
-mode's ``__torch_function__``, so the float32 casts become ordinary nodes of the captured
-graph: a graph traced with the contract differs from one traced without it, in dynamo's
-cache and in AOTAutograd's and inductor's (also on disk), and plain ``torch.autocast``
-never meets the contract. Eagerly the mode does the same casts, so eager and compiled
-code agree.
+The contract is a ``TorchFunctionMode`` (dtype_contract.py) on torch's function-mode
+stack rather than a Python flag read inside dispatcher kernels, pushed where a block's
+devices need it (the CPU; on CUDA torch's own policy is the contract). Dynamo guards on
+that stack and inlines the mode's ``__torch_function__``, so its casts become ordinary
+nodes of the captured graph: a graph traced with the contract differs from one traced
+without it, in dynamo's cache and in AOTAutograd's and inductor's (also on disk), and
+plain ``torch.autocast`` never meets the contract. Eagerly the mode does the same casts,
+so eager and compiled code agree.
 
 A block has three forms, picked when it is made or entered:
 
@@ -36,8 +37,6 @@ import warnings
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from unified_amp import interface
 from unified_amp.autocast import autocast as amp_autocast
@@ -45,79 +44,8 @@ from unified_amp.errors import CompileWarning, UnsupportedPrecisionError
 
 from . import autocast_dynamo
 from .autocast_dynamo import never_a_frame_of_its_own
-from .basics import DTYPES, LOW, default_dtype, devices
-
-_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
-
-# The ops the contract puts in float32 whatever their input (docs/DTYPE_CONTRACT.md):
-# each aten op, and the Python spellings that reach it first.
-_SPELLINGS: dict[str, tuple[Any, ...]] = {
-    "softmax.int": (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax,
-                    F.softmin),  # softmin: the softmax of -x, in one Python function
-    "log_softmax.int": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
-                        torch.special.log_softmax),
-    "sum": (torch.sum, torch.Tensor.sum),
-    "mean": (torch.mean, torch.Tensor.mean),
-    "exp": (torch.exp, torch.Tensor.exp),
-    "log": (torch.log, torch.Tensor.log),
-    "layer_norm": (F.layer_norm, torch.layer_norm),
-    "avg_pool2d": (F.avg_pool2d,),
-    "adaptive_avg_pool2d": (F.adaptive_avg_pool2d,),
-}
-
-
-def _fp32_functions() -> dict[Any, frozenset[str]]:
-    """function -> the device types on which the contract must cast its inputs.
-
-    Where torch's autocast already runs an op in float32 on a device (on CUDA: softmax,
-    log_softmax, sum, exp, log, layer_norm) the contract adds nothing there, so a
-    compiled graph stays exactly torch.autocast's. Read once, at import, from torch's
-    own dispatcher table (nothing of ours is ever registered in it).
-    """
-    table: dict[Any, frozenset[str]] = {}
-    for op, functions in _SPELLINGS.items():
-        where = frozenset(
-            dev for dev, key in _AUTOCAST_KEYS.items()
-            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key))
-        for fn in functions:
-            table[fn] = where
-    return table
-
-
-_FP32 = _fp32_functions()
-
-
-def _up(value: Any, where: frozenset[str]) -> Any:
-    """``value`` in float32 if it is a low-precision tensor on a device whose autocast
-    is on and where the contract applies; otherwise ``value`` itself."""
-    if (isinstance(value, torch.Tensor) and value.dtype in LOW
-            and value.device.type in where and torch.is_autocast_enabled(value.device.type)):
-        return value.float()
-    return value
-
-
-class ContractMode(TorchFunctionMode):
-    """Casts the low-precision inputs of the contract's float32 ops to float32.
-
-    Pushed by an enabled unified autocast block with ``contract=True`` (and popped by a
-    nested block that turns the contract off). Active only where torch's autocast is on
-    for the tensor's device, as a kernel on torch's Autocast key would be.
-    """
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        where = _FP32.get(func)
-        if where:
-            args = tuple(_up(a, where) for a in args)
-            kwargs = {k: v if k == "out" else _up(v, where) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
-
-
-# One instance serves every block: dynamo guards on the stack's mode types, and the
-# mode keeps no state.
-CONTRACT = ContractMode()
+from .basics import DTYPES, default_dtype, devices
+from .dtype_contract import CONTRACT, MODE_DEVICES, PROMOTE, ContractMode, PromoteMode
 
 
 @torch.compiler.assume_constant_result
@@ -133,44 +61,61 @@ def _cuda_lacking_bfloat16() -> str:
     return "" if torch.cuda.is_bf16_supported() else torch.cuda.get_device_name()
 
 
-def _top_is_contract() -> bool:
+def _top_mode() -> Any:
+    """The contract's mode on top of torch's function-mode stack, or None."""
     n = torch._C._len_torch_function_stack()
-    return n > 0 and isinstance(torch._C._get_function_stack_at(n - 1), ContractMode)
+    top = torch._C._get_function_stack_at(n - 1) if n > 0 else None
+    return top if isinstance(top, (ContractMode, PromoteMode)) else None
 
 
-def _contract_action(enabled: bool, contract: bool) -> str:
-    """What a block does to the mode stack: "push" the contract, "pop" it for a nested
-    block without it, or nothing."""
-    want = enabled and contract
-    top = _top_is_contract()
-    return "push" if want and not top else "pop" if top and not want else ""
+def _contract_action(enabled: bool, contract: bool, devs: list[str]) -> Any:
+    """What a block does to the mode stack: None, or (the mode it takes off the top, the
+    mode it puts there), either None.
+
+    An enabled block with the contract puts ContractMode on top where one of its devices
+    needs it (none on CUDA: torch's CUDA policy is the contract); an enabled block
+    without the contract takes ours off; a disabled block with the contract inside an
+    enabled one puts PromoteMode on top. Otherwise the stack stays as it is, and so
+    does what the enclosing block put there."""
+    top = _top_mode()
+    want: Any
+    if not contract:
+        want = None
+    elif enabled:
+        # an enclosing block's ContractMode stays for the devices this one leaves on
+        want = CONTRACT if any(dev in MODE_DEVICES for dev in devs) or top is CONTRACT \
+            else None
+    elif torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        want = PROMOTE
+    else:
+        want = top
+    return None if want is top else (top, want)
 
 
 # -- a block as dynamo traces it ----------------------------------------------------------
 
 @contextlib.contextmanager
-def _contract_popped() -> Iterator[None]:
-    """The contract taken off the mode stack for a nested block, and put back after."""
+def _mode_popped(mode: Any) -> Iterator[None]:
+    """``mode`` taken off the mode stack for a nested block, and put back after."""
     torch._C._pop_torch_function_stack()
     yield
-    torch._C._push_on_torch_function_stack(CONTRACT)
+    torch._C._push_on_torch_function_stack(mode)
 
 
 @contextlib.contextmanager
-def _contract_as(action: str) -> Iterator[None]:
-    if action == "push":
-        with CONTRACT:
-            yield
-    elif action == "pop":
-        with _contract_popped():
-            yield
-    else:
+def _contract_as(action: Any) -> Iterator[None]:
+    if action is None:
         yield
+        return
+    popped, pushed = action
+    with _mode_popped(popped) if popped is not None else contextlib.nullcontext():
+        with pushed if pushed is not None else contextlib.nullcontext():
+            yield
 
 
 @contextlib.contextmanager
 def _traced_block(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
-                  action: str) -> Iterator[None]:
+                  action: Any) -> Iterator[None]:
     """The block inside a function dynamo compiles: ``with torch.autocast(...)``
     statements and the contract's mode, in a generator.
 
@@ -197,7 +142,7 @@ class _TracedBlock:
     rebuild the frame's values; an object holding one it can rebuild."""
 
     def __init__(self, devs: list[str], dtypes: list[torch.dtype], enabled: bool,
-                 action: str) -> None:
+                 action: Any) -> None:
         self.block = _traced_block(devs, dtypes, enabled, action)
         self.block.__enter__()
 
@@ -222,7 +167,7 @@ class _EagerBlock:
     __slots__ = ("devs", "dtypes", "enabled", "action", "saved", "contexts")
 
     def __init__(self, devs: list[str], dtypes: list[torch.dtype], enabled: bool,
-                 action: str) -> None:
+                 action: Any) -> None:
         self.devs, self.dtypes, self.enabled, self.action = devs, dtypes, enabled, action
         self.saved: list[tuple[bool, torch.dtype]] = []
         self.contexts: list[Any] = []
@@ -239,16 +184,20 @@ class _EagerBlock:
                 torch.set_autocast_enabled(dev, self.enabled)
                 torch.set_autocast_dtype(dev, dtype)
                 torch.autocast_increment_nesting()
-        if self.action == "push":
-            torch._C._push_on_torch_function_stack(CONTRACT)
-        elif self.action == "pop":
-            torch._C._pop_torch_function_stack()
+        if self.action is not None:
+            popped, pushed = self.action
+            if popped is not None:
+                torch._C._pop_torch_function_stack()
+            if pushed is not None:
+                torch._C._push_on_torch_function_stack(pushed)
 
     def __exit__(self, *exc: Any) -> None:
-        if self.action == "push":
-            torch._C._pop_torch_function_stack()
-        elif self.action == "pop":
-            torch._C._push_on_torch_function_stack(CONTRACT)
+        if self.action is not None:
+            popped, pushed = self.action
+            if pushed is not None:
+                torch._C._pop_torch_function_stack()
+            if popped is not None:
+                torch._C._push_on_torch_function_stack(popped)
         if self.contexts:
             for ctx in reversed(self.contexts):
                 ctx.__exit__(None, None, None)
@@ -272,7 +221,7 @@ def _exit_eagerly(block: _EagerBlock) -> None:
 
 @torch.compiler.disable
 def _enter_eagerly(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
-                   action: str) -> _EagerBlock:
+                   action: Any) -> _EagerBlock:
     """A block's entry that dynamo compiles as a frame of its own (torch 2.7-2.8, where
     the entry carries no skip strategy: `never_a_frame_of_its_own`): the frame holding
     the block runs eagerly, so the block is entered eagerly too, as it is there. In a
@@ -413,7 +362,7 @@ class Autocasting(interface.Autocasting):
                 "autocast(device='cuda') was requested, but torch sees no CUDA device"
                 f" (torch {torch.__version__}). Use device='cpu' or device=None."
             )
-        for dev in devices(device):
+        for dev in devices(device, True):
             want = dtype or default_dtype(dev)
             lacking = dev == "cuda" and want == "bfloat16" and _cuda_lacking_bfloat16()
             if lacking:
@@ -426,8 +375,9 @@ class Autocasting(interface.Autocasting):
                         contract: bool) -> Any:
         if not (_NATIVE and torch.compiler.is_compiling()):
             return None
-        devs = devices(device)
-        if len(devs) != 1 or _contract_action(enabled, contract) or not _made_for_a_with_statement():
+        devs = devices(device, enabled)
+        if len(devs) != 1 or _contract_action(enabled, contract, devs) is not None \
+                or not _made_for_a_with_statement():
             return None
         autocast_dynamo.release_dead_guards()
         return torch.autocast(devs[0], dtype=DTYPES[dtype or default_dtype(devs[0])],
@@ -435,9 +385,9 @@ class Autocasting(interface.Autocasting):
 
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
                        contract: bool = True) -> Any:
-        devs = devices(device)
+        devs = devices(device, enabled)
         dtypes = [DTYPES[dtype or default_dtype(dev)] for dev in devs]
-        action = _contract_action(enabled, contract)
+        action = _contract_action(enabled, contract, devs)
         if torch.compiler.is_compiling():
             autocast_dynamo.release_dead_guards()
             if _block_is_its_own_frame():
@@ -460,7 +410,7 @@ class Autocasting(interface.Autocasting):
             token.__exit__()
 
     def is_autocast_enabled(self) -> bool:
-        return any(torch.is_autocast_enabled(dev) for dev in devices(None))
+        return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
     def autocast_low_dtype(self, device: str) -> str | None:
         if not torch.is_autocast_enabled(device):

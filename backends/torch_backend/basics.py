@@ -14,11 +14,17 @@ ALL_DTYPES = dict(DTYPES, float32=torch.float32)
 LOW = (torch.float16, torch.bfloat16)
 
 
-def devices(device: str | None) -> list[str]:
-    """The device types an autocast block for ``device`` touches (None: every one here)."""
+def devices(device: str | None, enabled: bool) -> list[str]:
+    """The device types an autocast block for ``device`` touches.
+
+    None: an enabled block covers the device where torch puts the work, CUDA where torch
+    sees a GPU (as ``torch.autocast("cuda")`` does) and otherwise the CPU; a disabled one
+    turns autocast off on every device here. docs/API.md, "Devices"."""
     if device is not None:
         return [device]
-    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    if not torch.cuda.is_available():
+        return ["cpu"]
+    return ["cuda"] if enabled else ["cpu", "cuda"]
 
 
 def default_dtype(device: str) -> str:

@@ -67,3 +67,19 @@ def test_clip_grad_norm_returns_the_norm_and_clips(kit, device):
     kit.set_grad(w, [0.3, 0.4])  # already under the limit: unchanged
     assert abs(amp.clip_grad_norm([w], 1.0) - 0.5) < 1e-6
     np.testing.assert_allclose(kit.grad(w), [0.3, 0.4], rtol=1e-6)
+
+
+def test_a_dy_of_another_dtype_is_cast_to_its_outputs_dtype(kit, device):
+    """``gm.backward(y, dy)`` with a float16 ``y`` (a contract block's matmul, or a mean
+    that follows its float16 input) and a float32 ``dy``: torch's autograd casts ``dy``
+    to ``y``'s dtype; MegEngine's backward asserted in an elementwise kernel (the
+    cross-backend fuzz found it). Both now give the same gradients."""
+    w = kit.param(np.array([[1.0], [2.0], [3.0]], np.float32), device)
+    x = kit.tensor(np.array([[2.0, -1.0, 0.5]], np.float32), device)
+    gm = amp.GradManager([w])
+    with gm:
+        with amp.autocast(dtype="float16", device=device):
+            y = kit.matmul(x, w)
+        assert kit.dtype_name(y) == "float16"
+        gm.backward(y, kit.tensor(np.array([[4.0]], np.float32), device))
+    np.testing.assert_array_equal(kit.grad(w), [[8.0], [-4.0], [2.0]])

@@ -36,31 +36,31 @@ def linear(kit, device, x_dtype="float32"):
                       kit.tensor(B, device))
 
 
-def under_autocast(fn):
-    with amp.autocast(dtype="float16"):
+def under_autocast(device, fn):
+    with amp.autocast(dtype="float16", device=device):
         return fn()
 
 
 @pytest.mark.parametrize("by_name", [False, True])
 def test_register_float_function_runs_it_in_float32(kit, device, by_name):
     namespace, dotted = kit.registry_namespace("linear")
-    before = under_autocast(lambda: linear(kit, device))
+    before = under_autocast(device, lambda: linear(kit, device))
     amp.register_float_function(dotted if by_name else namespace, "linear")
-    after = under_autocast(lambda: linear(kit, device))
+    after = under_autocast(device, lambda: linear(kit, device))
     assert (kit.dtype_name(before), kit.dtype_name(after)) == ("float16", "float32")
     outside = linear(kit, device)
     np.testing.assert_allclose(kit.numpy(after), kit.numpy(outside), rtol=1e-6)
     # float16 inputs are cast up too
     x16, w16 = kit.tensor(X, device, "float16"), kit.tensor(W, device, "float16")
-    assert kit.dtype_name(under_autocast(lambda: kit.linear(x16, w16, None))) == "float32"
+    assert kit.dtype_name(under_autocast(device, lambda: kit.linear(x16, w16, None))) == "float32"
 
 
 def test_register_half_function_runs_it_in_autocasts_dtype(kit, device):
     namespace, _ = kit.registry_namespace("sigmoid")
     x = kit.tensor(X, device)
-    before = under_autocast(lambda: kit.sigmoid(x))
+    before = under_autocast(device, lambda: kit.sigmoid(x))
     amp.register_half_function(namespace, "sigmoid")
-    after = under_autocast(lambda: kit.sigmoid(x))
+    after = under_autocast(device, lambda: kit.sigmoid(x))
     assert (kit.dtype_name(before), kit.dtype_name(after)) == ("float32", "float16")
     want = kit.numpy(kit.sigmoid(kit.tensor(X, device, "float16")))
     assert bits([kit.numpy(after)]) == bits([want])
@@ -68,13 +68,13 @@ def test_register_half_function_runs_it_in_autocasts_dtype(kit, device):
 
 def test_register_promote_function_runs_it_in_the_widest_input_dtype(kit, device):
     namespace, _ = kit.registry_namespace("linear")
-    before = under_autocast(lambda: linear(kit, device, "float16"))
+    before = under_autocast(device, lambda: linear(kit, device, "float16"))
     amp.register_promote_function(namespace, "linear")
-    after = under_autocast(lambda: linear(kit, device, "float16"))
+    after = under_autocast(device, lambda: linear(kit, device, "float16"))
     assert (kit.dtype_name(before), kit.dtype_name(after)) == ("float16", "float32")
     # all float16: the widest is float16, and it stays there
     x16, w16 = kit.tensor(X, device, "float16"), kit.tensor(W, device, "float16")
-    assert kit.dtype_name(under_autocast(lambda: kit.linear(x16, w16, None))) == "float16"
+    assert kit.dtype_name(under_autocast(device, lambda: kit.linear(x16, w16, None))) == "float16"
 
 
 def test_outside_autocast_a_registered_function_is_unchanged(kit, device):
@@ -103,11 +103,11 @@ def test_registering_twice_keeps_one_wrapper_and_the_last_kind(kit, device):
     amp.register_float_function(namespace, "linear")
     wrapper = namespace.linear
     amp.register_float_function(namespace, "linear")
-    assert kit.dtype_name(under_autocast(lambda: kit.linear(x16, w16, None))) == "float32"
+    assert kit.dtype_name(under_autocast(device, lambda: kit.linear(x16, w16, None))) == "float32"
     amp.register_promote_function(namespace, "linear")
     assert namespace.linear is wrapper
     # promote now: every input float16, so float16
-    assert kit.dtype_name(under_autocast(lambda: kit.linear(x16, w16, None))) == "float16"
+    assert kit.dtype_name(under_autocast(device, lambda: kit.linear(x16, w16, None))) == "float16"
     cast_registry._unregister_all()
     assert namespace.linear is not wrapper
 

@@ -1,5 +1,13 @@
 """The autocast fuzz's ops, losses and runner on each framework.
 
+Every op is a row of the dtype contract (unified_amp/dtype_contract/), run through the
+row's own sample call: the program's (4, 8) activation fills the call's first data
+tensor (reshaped, cut or repeated to its shape, and mapped into its domain: positive for
+a logarithm, inside (-1, 1) for an arcsine), the call's other data tensors are constants
+in the activation's dtype, its parameters are float32 (trained where they are weights),
+and the output is cut or repeated back to (4, 8). So a row added to the table enters the
+fuzz at once.
+
 ``Runner(framework)`` turns a program (autocast_programs) into a function with
 unified_amp's blocks or the native autocast's, runs it on inputs made from the program's
 seed, and returns what the two sides are compared on: the loss, the last activation,
@@ -9,37 +17,49 @@ and each op's (row, input kind, autocast on, output dtype) for the contract chec
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 import unified_amp as amp
+from unified_amp.dtype_contract import SAMPLES
 
+from ..contract.dtype_table import NOT_TRAINED, call_of, expected, inputs, names, row
 from . import autocast_programs as programs
 
-# fuzz op -> the row of docs/DTYPE_CONTRACT.md (tests/contract/dtype_table.py) its
-# recorded output answers to; relu has none.
-ROWS = {"linear": "linear", "matmul": "matmul", "bmm": "batched matmul", "conv2d": "conv2d",
-        "softmax": "softmax", "log_softmax": "log-softmax", "layer_norm": "layer norm",
-        "sum": "sum", "mean": "mean", "exp": "exp", "log": "log", "add_f32": "add low+float32",
-        "max_pool": "max pool", "avg_pool": "average pool",
-        "global_avg_pool": "global average pool", "batch_norm": "batch norm",
-        "cross_entropy": "cross-entropy", "mse": "MSE",
-        "bce_with_logits": "binary cross-entropy with logits", "nll": "log-softmax"}
+# The fuzz's final losses, and the table row each one's recorded output answers to.
+LOSS_ROWS = {"cross_entropy": "cross-entropy", "mse": "MSE",
+             "bce_with_logits": "binary cross-entropy with logits", "nll": "log-softmax"}
+
+
+def op_names(framework: str) -> tuple[str, ...]:
+    """The contract's rows the fuzz draws on ``framework``: those it has."""
+    own = "torch-cpu" if framework == "torch" else "megengine"
+    return tuple(name for name in programs.ALL_OPS if call_of(row(name), framework) is not None
+                 and not programs.native_raises(row(name), own))
+
+
+def expected_for(op: str, kind: str, low: str, framework: str) -> str:
+    """The contract's dtype for an op or loss of a program, given its input's kind."""
+    r = row(LOSS_ROWS.get(op, op))
+    return expected(r, kind, low, call_of(r, framework))
 
 
 def arrays(p: programs.Program) -> dict[str, np.ndarray]:
-    rng = np.random.RandomState([p.seed % 2**31, p.index % 2**31, 33])
-    f = lambda *s, scale=0.35: (rng.randn(*s) * scale).astype(np.float32)  # noqa: E731
-    return {
-        "x": f(4, 8, scale=1.0), "W1": f(8, 8), "b1": f(8), "W2": f(8, 8), "W3": f(2, 8, 8),
-        "C": f(2, 2, 3, 3), "cb": f(2), "lnw": 1 + f(8, scale=0.1), "lnb": f(8, scale=0.1),
-        "bnw": 1 + f(2, scale=0.1), "bnb": f(2, scale=0.1), "B": f(4, 8),
-        "rm": f(2, scale=0.1), "rv": 1 + np.abs(f(2, scale=0.1)),
-        "labels": rng.randint(0, 8, size=4).astype(np.int32), "target": f(4, 8),
-        "t01": (rng.rand(4, 8) > 0.5).astype(np.float32),
-    }
+    """The program's inputs: the table's sample arrays from the program's seed (weights
+    scaled down, so that chains of matmuls stay in float16's range) and its input x."""
+    a = inputs(hash((p.seed, p.index)) % 2**31)
+    for name, (_, role, domain) in SAMPLES.items():
+        if role == "param" and domain == "normal":
+            a[name] = a[name] * np.float32(0.35)
+    a["x_in"] = np.random.RandomState([p.seed % 2**31, p.index % 2**31, 33]).randn(
+        4, 8).astype(np.float32)
+    # what the fuzz's losses take
+    a["labels8"], a["target8"] = a["labels"], a["target"]
+    return a
 
 
-CONSTANTS = ("labels", "target", "t01", "rm", "rv")
+TRAINED = {n for n, (_, role, _) in SAMPLES.items() if role == "param"} - NOT_TRAINED
 
 
 class _Kinds:
@@ -50,57 +70,85 @@ class _Kinds:
         return "low" if self.is_low(t) else "float32"
 
 
+class _Ops:
+    """The table's rows as fuzz ops on one framework: ``math`` holds the framework's
+    few primitives (reshape, repeat, the domain maps, casts)."""
+
+    def __init__(self, framework, scope, prim):
+        self.framework, self.scope, self.prim = framework, scope, prim
+        self.kind = _Kinds(prim["is_low"])
+
+    def rec(self, out, op, inp, on, y):
+        out.append((op, self.kind(inp), on, y))
+        return y
+
+    def fit_in(self, h, name):
+        """The activation as the sample tensor ``name``: its shape and domain."""
+        shape, _, domain = SAMPLES[name]
+        n = math.prod(shape)
+        flat = self.prim["flat"](h)
+        if n > 32:
+            flat = self.prim["tile"](flat, -(-n // 32))
+        v = self.prim["reshape"](flat[:n], shape)
+        maps = {"positive": lambda t: t * t + 0.5, "above1": lambda t: t * t + 1.2,
+                "unit": lambda t: self.prim["tanh"](t) * 0.8,
+                "probability": lambda t: self.prim["sigmoid"](t) * 0.9 + 0.05,
+                "half": lambda t: self.prim["sigmoid"](t) * 0.98}
+        return maps.get(domain, lambda t: t)(v)
+
+    def fit_out(self, y):
+        """An op's output as the next (4, 8) activation."""
+        flat = self.prim["flat"](y)
+        n = self.prim["numel"](flat)
+        if n < 32:
+            flat = self.prim["tile"](flat, -(-32 // n))
+        return self.prim["reshape"](flat[:32], (4, 8))
+
+    def op(self, name):
+        r = row(name)
+        call = call_of(r, self.framework)
+        args = names(call)
+        # a function, not eval at each call: torch.compile traces into it
+        fn = eval(f"lambda {', '.join(args)}: {call}", dict(self.scope))  # noqa: S307
+        data = [n for n in args if SAMPLES[n][1] == "data"]
+        slot, others = data[0], set(data[1:])
+
+        def run(h, P, out, on):
+            values = [self.fit_in(h, n) if n == slot else
+                      self.prim["like"](P[n], h) if n in others else P[n] for n in args]
+            return self.fit_out(self.rec(out, name, h, on, fn(*values)))
+
+        return run
+
+    def ops(self):
+        return {name: self.op(name) for name in op_names(self.framework)}
+
+
 # -- torch ------------------------------------------------------------------------------
 
 def torch_ops():
     import torch
     import torch.nn.functional as F
 
-    kind = _Kinds(lambda t: t.dtype in (torch.float16, torch.bfloat16))
-
-    def rec(out, op, inp, on, y):
-        out.append((op, kind(inp), on, y))
-        return y
-
-    def img(h):
-        return h.reshape(1, 2, 4, 4)
-
-    ops = {
-        "linear": lambda h, P, out, on: rec(out, "linear", h, on, F.linear(h, P["W1"], P["b1"])),
-        "matmul": lambda h, P, out, on: rec(out, "matmul", h, on, h @ P["W2"]),
-        "bmm": lambda h, P, out, on: rec(out, "bmm", h, on, torch.bmm(h.reshape(2, 2, 8),
-                                                                     P["W3"])).reshape(4, 8),
-        "conv2d": lambda h, P, out, on: rec(out, "conv2d", h, on, F.conv2d(
-            img(h), P["C"], P["cb"], padding=1)).reshape(4, 8),
-        "softmax": lambda h, P, out, on: rec(out, "softmax", h, on, F.softmax(h, -1)),
-        "log_softmax": lambda h, P, out, on: rec(out, "log_softmax", h, on, F.log_softmax(h, -1)),
-        "layer_norm": lambda h, P, out, on: rec(out, "layer_norm", h, on, F.layer_norm(
-            h, (8,), P["lnw"], P["lnb"])),
-        "sum": lambda h, P, out, on: h + 0.1 * rec(out, "sum", h, on, h.sum(-1, keepdim=True)),
-        "mean": lambda h, P, out, on: h - rec(out, "mean", h, on, torch.mean(h, -1, keepdim=True)),
-        "exp": lambda h, P, out, on: rec(out, "exp", h, on, torch.exp(h * 0.25)),
-        "log": lambda h, P, out, on: rec(out, "log", h, on, torch.log(h * h + 1.0)),
-        "relu": lambda h, P, out, on: F.relu(h),
-        "add_f32": lambda h, P, out, on: rec(out, "add_f32", h, on, h + P["B"]),
-        "max_pool": lambda h, P, out, on: rec(out, "max_pool", h, on, F.max_pool2d(
-            img(h), 3, 1, 1)).reshape(4, 8),
-        "avg_pool": lambda h, P, out, on: rec(out, "avg_pool", h, on, F.avg_pool2d(
-            img(h), 3, 1, 1)).reshape(4, 8),
-        "global_avg_pool": lambda h, P, out, on: (img(h) + rec(
-            out, "global_avg_pool", h, on, F.adaptive_avg_pool2d(img(h), 1))).reshape(4, 8),
-        "batch_norm": lambda h, P, out, on: rec(out, "batch_norm", h, on, F.batch_norm(
-            img(h), P["rm"], P["rv"], P["bnw"], P["bnb"], training=False)).reshape(4, 8),
+    prim = {
+        "is_low": lambda t: t.dtype in (torch.float16, torch.bfloat16),
+        "flat": lambda t: t.reshape(-1), "numel": lambda t: t.numel(),
+        "tile": lambda t, k: t.repeat(k), "reshape": lambda t, s: t.reshape(s),
+        "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+        "like": lambda t, h: t.to(h.dtype) if t.is_floating_point() else t,
     }
+    table = _Ops("torch", {"torch": torch, "F": F}, prim)
+    rec = table.rec
     losses = {
         "cross_entropy": lambda h, P, out, on: rec(out, "cross_entropy", h, on, F.cross_entropy(
-            h, P["labels"])),
-        "mse": lambda h, P, out, on: rec(out, "mse", h, on, F.mse_loss(h, P["target"])),
+            h, P["labels8"])),
+        "mse": lambda h, P, out, on: rec(out, "mse", h, on, F.mse_loss(h, P["target8"])),
         "bce_with_logits": lambda h, P, out, on: rec(
             out, "bce_with_logits", h, on, F.binary_cross_entropy_with_logits(h, P["t01"])),
         "nll": lambda h, P, out, on: F.nll_loss(rec(out, "nll", h, on, F.log_softmax(h, -1)),
-                                                P["labels"]),
+                                                P["labels8"]),
     }
-    return ops, losses
+    return table.ops(), losses
 
 
 def torch_bits(t):
@@ -128,10 +176,11 @@ class TorchSide:
         if side == "native":
             outer = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
             inner = lambda enabled: torch.autocast("cpu", dtype=low, enabled=enabled)  # noqa: E731
-        else:
-            outer = lambda: amp.autocast(dtype=p.low, contract=contract)  # noqa: E731
+        else:  # the CPU's, as the native's: a block with no device covers CUDA alone
+            # where torch sees a GPU (docs/API.md, "Devices")
+            outer = lambda: amp.autocast(dtype=p.low, device="cpu", contract=contract)  # noqa: E731
             inner = lambda enabled: amp.autocast(  # noqa: E731
-                enabled=enabled, dtype=p.low, contract=contract)
+                enabled=enabled, dtype=p.low, device="cpu", contract=contract)
         return outer, inner
 
     def function(self, p, side, contract):
@@ -146,10 +195,10 @@ class TorchSide:
 
     def inputs(self, p):
         torch = self.torch
-        a = arrays(p)
-        P = {k: torch.from_numpy(v.copy()).long() if k == "labels" else
-             torch.from_numpy(v.copy()).requires_grad_(k not in CONSTANTS) for k, v in a.items()}
-        return P["x"], P
+        P = {k: torch.from_numpy(v.copy()) if v.dtype != np.float32 else
+             torch.from_numpy(v.copy()).requires_grad_(k in TRAINED or k == "x_in")
+             for k, v in arrays(p).items()}
+        return P["x_in"], P
 
     def run(self, fn, p, compile_with=None):
         x, P = self.inputs(p)
@@ -166,62 +215,33 @@ class TorchSide:
 # -- MegEngine ----------------------------------------------------------------------------
 
 def megengine_ops():
+    import megengine
     import megengine.functional as F
 
-    kind = _Kinds(lambda t: str(t.dtype) in ("float16", "bfloat16"))
-
-    def rec(out, op, inp, on, y):
-        out.append((op, kind(inp), on, y))
-        return y
-
-    def img(h):
-        return h.reshape(1, 2, 4, 4)
+    prim = {
+        "is_low": lambda t: str(t.dtype) in ("float16", "bfloat16"),
+        "flat": lambda t: t.reshape(-1), "numel": lambda t: t.size,
+        "tile": lambda t, k: F.tile(t, (k,)), "reshape": lambda t, s: t.reshape(s),
+        "tanh": F.tanh, "sigmoid": F.sigmoid,
+        "like": lambda t, h: t.astype(h.dtype) if "float" in str(t.dtype) else t,
+    }
+    table = _Ops("megengine", {"F": F, "mge": megengine}, prim)
+    rec = table.rec
 
     def nll(h, P, out, on):
         lp = rec(out, "nll", h, on, F.nn.logsoftmax(h, axis=-1))
-        return -F.mean(F.nn.indexing_one_hot(lp, P["labels"], 1))
+        return -F.mean(F.nn.indexing_one_hot(lp, P["labels8"], 1))
 
-    ops = {
-        "linear": lambda h, P, out, on: rec(out, "linear", h, on, F.linear(h, P["W1"], P["b1"])),
-        "matmul": lambda h, P, out, on: rec(out, "matmul", h, on, F.matmul(h, P["W2"])),
-        "bmm": lambda h, P, out, on: rec(out, "bmm", h, on, F.matmul(h.reshape(2, 2, 8),
-                                                                    P["W3"])).reshape(4, 8),
-        "conv2d": lambda h, P, out, on: rec(out, "conv2d", h, on, F.conv2d(
-            img(h), P["C"], P["cb"].reshape(1, 2, 1, 1), padding=1)).reshape(4, 8),
-        "softmax": lambda h, P, out, on: rec(out, "softmax", h, on, F.softmax(h, axis=-1)),
-        "log_softmax": lambda h, P, out, on: rec(out, "log_softmax", h, on,
-                                                 F.nn.logsoftmax(h, axis=-1)),
-        "layer_norm": lambda h, P, out, on: rec(out, "layer_norm", h, on, F.nn.layer_norm(
-            h, (8,), True, P["lnw"], P["lnb"])),
-        "sum": lambda h, P, out, on: h + 0.1 * rec(out, "sum", h, on,
-                                                    F.sum(h, axis=-1, keepdims=True)),
-        "mean": lambda h, P, out, on: h - rec(out, "mean", h, on,
-                                              F.mean(h, axis=-1, keepdims=True)),
-        "exp": lambda h, P, out, on: rec(out, "exp", h, on, F.exp(h * 0.25)),
-        "log": lambda h, P, out, on: rec(out, "log", h, on, F.log(h * h + 1.0)),
-        "relu": lambda h, P, out, on: F.relu(h),
-        "add_f32": lambda h, P, out, on: rec(out, "add_f32", h, on, h + P["B"]),
-        "max_pool": lambda h, P, out, on: rec(out, "max_pool", h, on, F.max_pool2d(
-            img(h), 3, 1, 1)).reshape(4, 8),
-        "avg_pool": lambda h, P, out, on: rec(out, "avg_pool", h, on, F.avg_pool2d(
-            img(h), 3, 1, 1)).reshape(4, 8),
-        "global_avg_pool": lambda h, P, out, on: (img(h) + rec(
-            out, "global_avg_pool", h, on, F.adaptive_avg_pool2d(img(h), (1, 1)))).reshape(4, 8),
-        "batch_norm": lambda h, P, out, on: rec(out, "batch_norm", h, on, F.nn.batch_norm(
-            img(h), P["rm"].reshape(1, 2, 1, 1), P["rv"].reshape(1, 2, 1, 1),
-            P["bnw"].reshape(1, 2, 1, 1), P["bnb"].reshape(1, 2, 1, 1),
-            training=False)).reshape(4, 8),
-    }
     losses = {
         "cross_entropy": lambda h, P, out, on: rec(out, "cross_entropy", h, on,
-                                                   F.nn.cross_entropy(h, P["labels"])),
-        "mse": lambda h, P, out, on: rec(out, "mse", h, on, F.nn.square_loss(h, P["target"])),
+                                                   F.nn.cross_entropy(h, P["labels8"])),
+        "mse": lambda h, P, out, on: rec(out, "mse", h, on, F.nn.square_loss(h, P["target8"])),
         "bce_with_logits": lambda h, P, out, on: rec(out, "bce_with_logits", h, on,
                                                      F.nn.binary_cross_entropy(
                                                          h, P["t01"], with_logits=True)),
         "nll": nll,
     }
-    return ops, losses
+    return table.ops(), losses
 
 
 def megengine_bits(t):
@@ -287,17 +307,15 @@ class MegEngineSide:
         import megengine
         from megengine.autodiff import GradManager
 
-        a = arrays(p)
-        P = {k: megengine.tensor(v, dtype="int32" if k == "labels" else "float32")
-             for k, v in a.items()}
-        trained = [v for k, v in P.items() if k not in CONSTANTS]
-        gm = GradManager().attach(trained)
+        P = {k: megengine.tensor(v, dtype="int32" if v.dtype != np.float32 else "float32")
+             for k, v in arrays(p).items()}
+        trained = {k: v for k, v in P.items() if k in TRAINED or k == "x_in"}
+        gm = GradManager().attach(list(trained.values()))
         out: list = []
         with gm:
-            loss, h = fn(P["x"], P, out)
+            loss, h = fn(P["x_in"], P, out)
             gm.backward(loss)
-        grads = {k: megengine_bits(v.grad) for k, v in P.items()
-                 if k not in CONSTANTS and v.grad is not None}
+        grads = {k: megengine_bits(v.grad) for k, v in trained.items() if v.grad is not None}
         return {"loss": megengine_bits(loss), "h": megengine_bits(h), "grads": grads,
                 "ops": [(op, k, on, str(y.dtype)) for op, k, on, y in out]}
 

@@ -5,8 +5,9 @@ split at a graph break, as it would a user's training step): ops before a block,
 enabled ``autocast`` block holding ops and nested ``enabled=False`` / re-enabled blocks,
 ops after it, and a loss, inside the block or after it. The same program is written
 twice, once with unified_amp's blocks and once with the native autocast's, and both
-are run on the same inputs. Framework-free: the op implementations are in
-``autocast_ops``.
+are run on the same inputs. Framework-free: the ops are the dtype contract's rows
+(unified_amp/dtype_contract/: a new row enters the fuzz at once), implemented from
+their sample calls in ``autocast_ops``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,25 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-# Each op maps the program's (4, 8) activation to a (4, 8) activation.
-OPS = ("linear", "matmul", "bmm", "conv2d", "softmax", "log_softmax", "layer_norm", "sum",
-       "mean", "exp", "log", "relu", "add_f32", "max_pool", "avg_pool", "global_avg_pool",
-       "batch_norm")
+from unified_amp.dtype_contract import ROWS
+
+# Each op maps the program's (4, 8) activation to a (4, 8) activation: every row of the
+# contract the fuzz can feed (Row.fuzz), by name; a backend draws from those it has
+# (autocast_ops.op_names), but not those its own autocast raises on (contract=False
+# programs run it). OPS, the default, is torch's ops that hold compiled too (the
+# compiled fuzz's: Row.compiled names those that do not).
+ALL_OPS = tuple(r.name for r in ROWS if r.fuzz and r.rule != "refuse")
+
+
+def native_raises(r, framework: str) -> bool:
+    """Whether ``framework``'s own autocast ("torch-cpu", "megengine") raises on the row
+    for a float32 or a low-precision input (a contract=False program cannot hold it:
+    the programs' other inputs follow the activation's dtype, so none is mixed)."""
+    return "error" in r.native(framework).replace("mixed: error", "")
+
+
+OPS = tuple(r.name for r in ROWS if r.name in ALL_OPS and r.torch_call and not r.compiled
+            and not native_raises(r, "torch-cpu"))
 LOSSES = ("cross_entropy", "mse", "bce_with_logits", "nll")
 
 # Where torch.compile is made to break the graph or give up on the frame
@@ -60,12 +76,12 @@ def _without(items: list, leave_out: tuple) -> list:
     return out
 
 
-LOW_MAKERS = ("linear", "matmul", "bmm", "conv2d")  # their output is low-precision
+LOW_MAKERS = ("linear", "matmul", "batched matmul", "conv2d")  # low-precision outputs
 
 
-def _body(rng: random.Random, depth: int) -> list:
+def _body(rng: random.Random, depth: int, ops: tuple[str, ...]) -> list:
     items: list = []
-    for op in _ops(rng, 1, 4):
+    for op in _ops(rng, 1, 4, ops):
         # half the ops get a low-precision input (a matmul or conv before them), as the
         # table's rows are checked with both kinds of input
         if rng.random() < 0.5:
@@ -73,21 +89,22 @@ def _body(rng: random.Random, depth: int) -> list:
         items.append(op)
     if depth < 2 and rng.random() < 0.5:
         enabled = depth == 1 and rng.random() < 0.5  # a re-enabled block inside a disabled one
-        items.insert(rng.randint(0, len(items)), ("block", enabled, _body(rng, depth + 1)))
+        items.insert(rng.randint(0, len(items)),
+                     ("block", enabled, _body(rng, depth + 1, ops)))
     if rng.random() < 0.3:
-        items.append(("block", False, _ops(rng, 1, 2)))
+        items.append(("block", False, _ops(rng, 1, 2, ops)))
     return items
 
 
-def make(seed: int, index: int, *, lows=("bfloat16", "float16"), shapes=("whole",),
-         outside=(False,), leave_out=()) -> Program:
-    """The program (seed, index): the same every time, on every machine. ``leave_out``
-    drops ops from it after it is drawn (the rest stays the same program)."""
+def make(seed: int, index: int, *, ops: tuple[str, ...] = OPS, lows=("bfloat16", "float16"),
+         shapes=("whole",), outside=(False,), leave_out=()) -> Program:
+    """The program (seed, index) over ``ops``: the same every time, on every machine.
+    ``leave_out`` drops ops from it after it is drawn (the rest stays the same program)."""
     rng = random.Random(f"autocast-fuzz:{seed}:{index}")
     return Program(seed=seed, index=index, low=rng.choice(lows),
-                   before=_without(_ops(rng, 0, 2), leave_out),
-                   body=_without(_body(rng, 1), leave_out),
-                   after=_without(_ops(rng, 0, 2), leave_out), loss=rng.choice(LOSSES),
+                   before=_without(_ops(rng, 0, 2, ops), leave_out),
+                   body=_without(_body(rng, 1, ops), leave_out),
+                   after=_without(_ops(rng, 0, 2, ops), leave_out), loss=rng.choice(LOSSES),
                    loss_inside=rng.random() < 0.5, shape=rng.choice(shapes),
                    made_outside=rng.choice(outside))
 
@@ -104,7 +121,7 @@ def source(p: Program, side: str) -> str:
                   " for k, s in {'n': (4, 8)}.items()}",
                   "    h = h + 0 * noise['n']"]
     for op in p.before:
-        lines.append(f"    h = OP['{op}'](h, P, out, False)")
+        lines.append(f"    h = OP[{op!r}](h, P, out, False)")
     if p.shape == "break_before":
         lines.append("    BREAK()")
     lines.append("    with CTX:" if p.made_outside else "    with OUTER():")
@@ -118,7 +135,7 @@ def source(p: Program, side: str) -> str:
     if p.shape == "break_after":
         lines.append("    BREAK()")
     for op in p.after:
-        lines.append(f"    h = OP['{op}'](h, P, out, False)")
+        lines.append(f"    h = OP[{op!r}](h, P, out, False)")
     if not p.loss_inside:
         lines.append(f"    loss = LOSS['{p.loss}'](h, P, out, False)")
     lines.append("    return loss, h")
@@ -139,7 +156,7 @@ def _emit(items: list, lines: list[str], depth: int, on: bool) -> None:
             _emit(inner, lines, depth + 1, enabled)
             lines.append(f"{pad}    h = F32(h)")
         else:
-            lines.append(f"{pad}h = OP['{item}'](h, P, out, {on})")
+            lines.append(f"{pad}h = OP[{item!r}](h, P, out, {on})")
     if not items:
         lines.append(f"{pad}pass")
 

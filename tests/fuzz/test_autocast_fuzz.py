@@ -18,7 +18,6 @@ import pytest
 
 import unified_amp as amp
 
-from ..contract.dtype_table import expected
 from . import autocast_ops as ops
 from . import autocast_programs as programs
 
@@ -39,11 +38,17 @@ LOWS = {"torch": ("bfloat16", "float16"), "megengine": ("float16",)}
 # on CPU gives wrong values (docs/DTYPE_CONTRACT.md) that also change from run to run
 # (a long run, seed 1 index 13: the same contract=False program twice gave two
 # gradients), so no byte comparison can hold; the contract's pooling fix is tested there.
-LEAVE_OUT = {"torch": (), "megengine": ("batch_norm", "max_pool")}
+# MegEngine's own autocast also ends the process on local_response_norm (the table's
+# native for it), and its square of a float16 input returns a float32 gradient, which a
+# matmul's backward later asserts on (a long run, seed 1 index 4): contract=False
+# programs cannot hold them (the contract's rows are tests/contract's).
+LEAVE_OUT = {"torch": (), "megengine": ("batch norm", "max pool", "adaptive max pool",
+                                        "local response norm", "square")}
 
 
 def program(fuzz, name, i):
-    return programs.make(fuzz.seed, i, lows=LOWS[name], leave_out=LEAVE_OUT[name])
+    return programs.make(fuzz.seed, i, ops=ops.op_names(name), lows=LOWS[name],
+                         leave_out=LEAVE_OUT[name])
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +109,13 @@ def test_contract_off_is_the_native_autocast_byte_for_byte(fuzz, name, side):
     assert refused <= max(1, (count + refused) // 4), (count, refused)
 
 
-def contract_violations(p, ran):
+def contract_violations(p, ran, framework="torch"):
     bad = []
     for op, kind, on, dtype in ran["ops"]:
-        want = expected(ops.ROWS[op], kind, p.low) if on else (
+        want = ops.expected_for(op, kind, p.low, framework) if on else (
             "float32" if kind == "float32" else p.low)
         if dtype != want:
-            bad.append(f"{op} ({ops.ROWS[op]}, {kind} input, autocast {'on' if on else 'off'})"
+            bad.append(f"{op} ({kind} input, autocast {'on' if on else 'off'})"
                        f" gave {dtype}, the contract says {want}")
     return bad
 
@@ -119,6 +124,6 @@ def test_the_contract_gives_every_op_its_table_dtype(fuzz, name, side):
     for i in fuzz.programs(FAST[name]):
         p = program(fuzz, name, i)
         ran = side.run(side.function(p, "unified", True), p)
-        bad = contract_violations(p, ran)
+        bad = contract_violations(p, ran, name)
         assert not bad, report(p, "; ".join(bad), "", "")
         assert not amp.is_autocast_enabled()

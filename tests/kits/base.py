@@ -45,32 +45,26 @@ class ContractKit:
                 for key, value in self.optimizer_state(opt)]
 
     # -- the dtype table ---------------------------------------------------------------
+    def run_call(self, call, dev, low, kind, inp):
+        """A row's sample call (unified_amp/dtype_contract/) on ``inp``'s arrays: the
+        data tensors in the dtypes of ``kind`` (float32, ``low``, or mixed), parameters
+        float32, indices as the framework's index type."""
+        from ..contract.dtype_table import dtypes
+
+        scope = dict(self.call_scope())
+        for name, dtype in dtypes(call, kind, low).items():
+            scope[name] = (self.labels(inp[name], dev) if dtype == "int"
+                           else self.tensor(inp[name], dev, dtype))
+        return eval(call, scope)  # noqa: S307 -- the table's own sample calls
+
     def run_op(self, row, inp, dev, low, kind):
-        """One row of the dtype table on ``inp``: the op's data input is float32
-        (``kind`` "float32") or ``low`` ("low"); weights stay float32, as parameters do."""
+        """One row of the dtype table (by name) in this framework's spelling."""
+        from ..contract.dtype_table import call_of
+        from ..contract.dtype_table import row as find
 
-        def x_(a):
-            return self.tensor(a, dev, low if kind == "low" else "float32")
-
-        def w_(a):
-            return self.tensor(a, dev, "float32")
-
-        ops = {
-            "matmul": lambda: self.matmul(x_(inp["x"]), w_(inp["w"]), transpose_b=True),
-            "linear": lambda: self.linear(x_(inp["x"]), w_(inp["w"]), w_(inp["b"])),
-            "batched matmul": lambda: self.matmul(x_(inp["a3"]), w_(inp["b3"])),
-            "softmax": lambda: self.softmax(x_(inp["x"]), -1),
-            "cross-entropy": lambda: self.cross_entropy(
-                x_(inp["x"]), self.labels(inp["labels"], dev)),
-            "MSE": lambda: self.mse(x_(inp["x"]), w_(inp["x"])),
-            "sum": lambda: x_(inp["x"]).sum(),
-            "mean": lambda: x_(inp["x"]).mean(),
-            "max pool": lambda: self.F.max_pool2d(x_(inp["img"]), 2),
-            "average pool": lambda: self.F.avg_pool2d(x_(inp["img"]), 2),
-            "add low+float32": lambda: self.tensor(inp["x"], dev, low) + w_(inp["x"]),
-            **self.own_ops(x_, w_, inp, dev),
-        }
-        return ops[row]()
+        call = call_of(find(row), self.name)
+        assert call is not None, f"{self.name} has no {row!r}"
+        return self.run_call(call, dev, low, kind, inp)
 
     def run_module(self, row, inp, dev, low):
         """The module spelling of a row, on a low-precision input."""
@@ -80,7 +74,7 @@ class ContractKit:
             if row == "softmax":
                 return self.nn.Softmax(-1)(x)
             if row == "batch norm":
-                return self.place(self.nn.BatchNorm2d(3), dev)(img)
+                return self.place(self.nn.BatchNorm2d(2), dev)(img)
             if row == "layer norm":
                 return self.place(self.nn.LayerNorm(8), dev)(x)
         raise KeyError(row)

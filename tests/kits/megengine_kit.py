@@ -39,20 +39,19 @@ class Kit(ContractKit, MegEngineKit):
         """The tensor methods that read values back to the host."""
         return mge.Tensor, ("item", "tolist", "numpy")
 
-    def own_ops(self, x_, w_, inp, dev):
-        """The dtype table's rows in MegEngine's spelling (see ``ContractKit.run_op``)."""
-        c4 = lambda a: w_(np.asarray(a).reshape(1, -1, 1, 1))  # MegEngine's (1, C, 1, 1)
-        return {
-            "conv2d": lambda: F.conv2d(x_(inp["img"]), w_(inp["cw"]), c4(inp["cb"])),
-            "log-softmax": lambda: F.logsoftmax(x_(inp["x"]), axis=-1),
-            "binary cross-entropy with logits": lambda: F.nn.binary_cross_entropy(
-                x_(inp["x"]), w_(inp["targets"]), with_logits=True),
-            "exp": lambda: F.exp(x_(inp["x"])),
-            "log": lambda: F.log(x_(inp["pos"])),
-            "batch norm": lambda: F.nn.batch_norm(
-                x_(inp["img"]), c4(inp["bn_mean"]), c4(inp["bn_var"]), c4(inp["bn_w"]),
-                c4(inp["bn_b"]), training=True),
-            "global average pool": lambda: F.adaptive_avg_pool2d(x_(inp["img"]), (1, 1)),
-            "layer norm": lambda: F.nn.layer_norm(x_(inp["x"]), (8,), True, w_(inp["ln_w"]),
-                                                  w_(inp["ln_b"])),
-        }
+    def grads_of(self, fn, leaves, block):
+        """The dtypes of ``leaves``' gradients from a backward pass through ``fn()`` run
+        inside ``block()`` (None where a leaf gets none)."""
+        from megengine.autodiff import GradManager
+
+        gm = GradManager().attach(leaves)
+        with gm:
+            with block():
+                out = fn()
+            gm.backward(out.astype("float32").sum())
+        self.synchronize()  # an asynchronous failure is this call's
+        return [None if t.grad is None else self.dtype_name(t.grad) for t in leaves]
+
+    def call_scope(self):
+        """The names the dtype table's MegEngine sample calls use besides its tensors."""
+        return {"F": F, "mge": mge}

@@ -31,19 +31,16 @@ class Kit(ContractKit, TorchKit):
         """The tensor methods that read values back to the host."""
         return torch.Tensor, ("item", "tolist", "numpy")
 
-    def own_ops(self, x_, w_, inp, dev):
-        """The dtype table's rows in torch's spelling (see ``ContractKit.run_op``)."""
-        return {
-            "conv2d": lambda: F.conv2d(x_(inp["img"]), w_(inp["cw"]), w_(inp["cb"])),
-            "log-softmax": lambda: F.log_softmax(x_(inp["x"]), dim=-1),
-            "binary cross-entropy with logits": lambda: F.binary_cross_entropy_with_logits(
-                x_(inp["x"]), w_(inp["targets"])),
-            "exp": lambda: x_(inp["x"]).exp(),
-            "log": lambda: x_(inp["pos"]).log(),
-            "batch norm": lambda: F.batch_norm(
-                x_(inp["img"]), w_(inp["bn_mean"]), w_(inp["bn_var"]), w_(inp["bn_w"]),
-                w_(inp["bn_b"]), training=True),
-            "global average pool": lambda: F.adaptive_avg_pool2d(x_(inp["img"]), 1),
-            "layer norm": lambda: F.layer_norm(x_(inp["x"]), (8,), w_(inp["ln_w"]),
-                                               w_(inp["ln_b"])),
-        }
+    def grads_of(self, fn, leaves, block):
+        """The dtypes of ``leaves``' gradients from a backward pass through ``fn()`` run
+        inside ``block()`` (None where a leaf gets none)."""
+        with block():
+            out = fn()
+        if not out.requires_grad:
+            return [None] * len(leaves)
+        grads = torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
+        return [None if g is None else self.dtype_name(g) for g in grads]
+
+    def call_scope(self):
+        """The names the dtype table's torch sample calls use besides its tensors."""
+        return {"torch": torch, "F": F}

@@ -64,9 +64,12 @@ def test_the_torch_function_mode_stack_api():
                  "_push_on_torch_function_stack", "_pop_torch_function_stack",
                  "_is_torch_function_mode_enabled", "_dispatch_has_kernel_for_dispatch_key"):
         assert callable(getattr(torch._C, name)), name
-    # the contract's table read from torch's dispatcher: CPU autocast has no softmax
-    # kernel (so the contract casts there), CUDA autocast has one
-    assert torch_autocast._FP32[torch.softmax] == frozenset({"cpu"})
+    # the contract's table checked against torch's dispatcher: CPU autocast has no
+    # softmax kernel (so the contract casts there), CUDA autocast has one
+    from unified_amp.backends.torch_backend import dtype_contract
+
+    assert torch.softmax in dtype_contract.HANDLERS
+    assert dtype_contract.handled_devices(dtype_contract.table.row("softmax")) == {"cpu"}
 
 
 def test_the_instruction_translator_the_adapter_reads_while_tracing():

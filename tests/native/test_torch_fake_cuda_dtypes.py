@@ -1,120 +1,287 @@
 """The dtype contract on CUDA, checked on fake CUDA tensors (tests/fake_cuda.py) in every
-CI run: torch's AutocastCUDA policy and unified_amp's contract (a function mode) really
-dispatch; only the kernels' arithmetic is absent. These
-check output dtypes and devices, not values (the contract's ``cuda`` cases in
-tests/contract/test_dtype_table.py check values, on a GPU).
+CI run: torch's AutocastCUDA policy really dispatches; only the kernels' arithmetic is
+absent. These check output dtypes and devices, not values (the contract's ``cuda``
+cases in tests/contract/test_dtype_table.py check values, on a GPU).
+
+The contract *is* torch's CUDA policy (unified_amp/dtype_contract/): every row's rule
+is what ``torch.autocast("cuda")`` gives its sample call, and a unified block that
+covers only CUDA pushes nothing, so a GPU step makes no Python call into unified_amp.
 """
 
+from __future__ import annotations
+
+import contextlib
 import os
-import pathlib
-import re
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import unified_amp as amp
+from unified_amp import dtype_contract as table
+from unified_amp.backends.torch_backend import dtype_contract as adapter
 
-from ..contract.dtype_table import ROWS, expected, input_kinds, inputs
-from ..fake_cuda import FakeCudaKit, fc  # noqa: F401 (fc is a fixture)
+from ..contract.dtype_table import ROWS, expected, inputs, row
+from ..fake_cuda import FakeCudaKit, fc, report_a_gpu  # noqa: F401 (fc is a fixture)
 
 pytestmark = pytest.mark.fake_cuda
 
-CASES = [(row, kind) for row, _ in ROWS for kind in input_kinds(row)]
-IDS = [f"{row}[{kind}]" for row, kind in CASES]
 LOWS = ["float16", "bfloat16"]
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "DTYPE_CONTRACT.md"
+
+
+def cuda_kinds(r):
+    """The input kinds a row's CUDA cell is checked with: float32 only where torch's
+    CUDA kernels take no low-precision input."""
+    return r.kinds() if r.cuda_low else ("float32",)
+
+
+def cuda_expected(r, kind, low):
+    if r.no_bfloat16 and low == "bfloat16" and kind != "float32":
+        return "error"
+    return expected(r, kind, low, r.torch_call)
+
+
+def run(fc, r, kind, low, block):
+    """``block``'s dtype for the row's torch call on fake CUDA, or "error"."""
+    try:
+        with block:
+            out = FakeCudaKit(fc).run_call(r.torch_call, "cuda", low, kind, inputs())
+    except RuntimeError:
+        return "error"
+    assert out.device.type == "cuda"
+    return str(out.dtype).removeprefix("torch.")
+
+
+RUNNABLE = [r.name for r in ROWS if r.torch_call and not r.fake_cuda]
+# Whether this torch's AutocastCUDA keeps the whole contract by itself (torch 2.13, the
+# table's torch: yes). An older torch's registrations may differ: then a CUDA block
+# pushes the contract's mode for those rows (docs/DTYPE_CONTRACT.md, "Devices").
+MODE_ON_CUDA = "cuda" in adapter.MODE_DEVICES
 
 
 @pytest.mark.parametrize("low", LOWS)
-@pytest.mark.parametrize("row,kind", CASES, ids=IDS)
-def test_fake_cuda_dtype_table(fc, row, kind, low):
-    """Every (row, input) cell of the contract, inside ``amp.autocast(device="cuda")``."""
+@pytest.mark.parametrize("name", [n for n in RUNNABLE if not adapter.drifted(row(n), "cuda")])
+def test_each_rule_is_torch_cuda_autocasts_own(fc, name, low):
+    """The table's rule for a row is measured, not read from a list: plain
+    torch.autocast("cuda") gives every row its rule's dtype (with unified_amp imported
+    and its blocks used before: nothing of ours reaches torch.autocast). On an older
+    torch, the rows it registers otherwise are the mode's (the test below)."""
+    r = row(name)
     with amp.autocast(dtype=low, device="cuda"):
-        out = FakeCudaKit(fc).run_op(row, inputs(), "cuda", low, kind)
-    assert out.device.type == "cuda"
-    assert str(out.dtype).removeprefix("torch.") == expected(row, kind, low)
+        pass
+    for kind in cuda_kinds(r):
+        got = run(fc, r, kind, low, torch.autocast("cuda", dtype=getattr(torch, low)))
+        assert got == cuda_expected(r, kind, low), (name, kind, low)
+
+
+@pytest.mark.parametrize("name", [r.name for r in ROWS if r.fake_cuda])
+def test_rows_fake_cuda_cannot_run_still_cannot(fc, name):
+    """The rows checked on a GPU only (their note says why): a torch that gains the
+    missing meta kernel fails this, so that they join the test above."""
+    r = row(name)
+    with pytest.raises((NotImplementedError, RuntimeError, AssertionError)):
+        with torch.autocast("cuda", dtype=torch.float16):
+            FakeCudaKit(fc).run_call(r.torch_call, "cuda", "float16", "float32", inputs())
 
 
 @pytest.mark.parametrize("low", LOWS)
-@pytest.mark.parametrize("row", ["softmax", "batch norm", "layer norm"])
-def test_fake_cuda_module_spellings(fc, row, low):
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_the_contract_on_cuda_is_torch_cuda_autocast_with_no_mode(fc, name, low):
+    """Inside ``amp.autocast(device="cuda")`` every row has its rule's dtype, and no
+    function mode is on torch's stack: on this torch, torch's CUDA kernels keep the
+    whole contract."""
+    r = row(name)
+    for kind in cuda_kinds(r):
+        block = amp.autocast(dtype=low, device="cuda")
+        stack = []
+
+        class Probe:
+            def __enter__(self):
+                block.__enter__()
+                stack.append(torch._C._len_torch_function_stack())
+
+            def __exit__(self, *exc):
+                block.__exit__(*exc)
+
+        assert run(fc, r, kind, low, Probe()) == cuda_expected(r, kind, low), (name, kind)
+        assert stack == [int(MODE_ON_CUDA)]
+
+
+@pytest.mark.parametrize("low", LOWS)
+@pytest.mark.parametrize("name", ["softmax", "batch norm", "layer norm"])
+def test_the_module_spellings_on_cuda(fc, name, low):
     with amp.autocast(dtype=low, device="cuda"):
-        out = FakeCudaKit(fc).run_module(row, inputs(), "cuda", low)
+        out = FakeCudaKit(fc).run_module(name, inputs(), "cuda", low)
     assert out.device.type == "cuda"
-    assert str(out.dtype).removeprefix("torch.") == expected(row, "low", low)
+    assert str(out.dtype).removeprefix("torch.") == cuda_expected(row(name), "low", low)
 
 
-def test_fake_cuda_default_dtype_is_float16_on_cuda(fc):
-    """``autocast()`` with no device covers both devices where torch sees a GPU, each
-    with its own default low dtype (SPEC §2)."""
+def test_autocast_with_no_device_covers_cuda_where_torch_sees_a_gpu(fc):
+    """``amp.autocast()`` is ``torch.autocast("cuda")`` on a GPU machine: CUDA in
+    float16, the CPU left alone, no mode pushed (docs/API.md, "Devices"). A nested
+    ``amp.autocast(device="cpu")`` adds the CPU, with the contract's mode for it; a
+    disabled block turns every device off."""
     kit = FakeCudaKit(fc)
     inp = inputs()
     with amp.autocast():
+        assert torch._C._len_torch_function_stack() == int(MODE_ON_CUDA)
         on_cuda = kit.run_op("matmul", inp, "cuda", "float16", "float32")
         on_cpu = kit.run_op("matmul", inp, "cpu", "float16", "float32")
-        mean = kit.run_op("mean", inp, "cuda", "float16", "low")
-    assert (on_cuda.dtype, on_cpu.dtype, mean.dtype) == \
-        (torch.float16, torch.bfloat16, torch.float32)
+        assert (on_cuda.dtype, on_cpu.dtype) == (torch.float16, torch.float32)
+        with amp.autocast(device="cpu"):
+            assert torch._C._len_torch_function_stack() == 1
+            on_cpu = kit.run_op("matmul", inp, "cpu", "bfloat16", "float32")
+            exp_cpu = kit.run_op("exp", inp, "cpu", "bfloat16", "low")
+            assert (on_cpu.dtype, exp_cpu.dtype) == (torch.bfloat16, torch.float32)
+        with amp.autocast(enabled=False):
+            assert not amp.is_autocast_enabled()
+        assert amp.is_autocast_enabled()
     assert not amp.is_autocast_enabled()
 
 
-def _native_cuda_column():
-    """The doc table's "torch native, CUDA" cell of each row."""
-    column, cells = None, {}
-    for line in DOC.read_text().splitlines():
-        row = [c.strip() for c in line.strip().strip("|").split("|")]
-        if column is None and "torch native, CUDA" in row:
-            column = row.index("torch native, CUDA")
-        elif column is not None and len(row) > column and row[0].strip("`") in dict(ROWS):
-            cells[row[0].strip("`")] = row[column]
-    assert set(cells) == set(dict(ROWS)), f"{DOC.name}: a row lacks its CUDA column"
-    return cells
+# -- a GPU step makes no Python call into unified_amp ------------------------------------
+
+def _ours() -> tuple[str, ...]:
+    backend_dir = os.path.dirname(os.path.dirname(sys.modules[adapter.__name__].__file__))
+    return (os.path.dirname(amp.__file__) + os.sep, backend_dir + os.sep)
 
 
-NATIVE_CUDA = _native_cuda_column()
+@contextlib.contextmanager
+def counting_calls():
+    """Counts Python calls into unified_amp's files (the core and the adapters), and all
+    calls, while the block runs."""
+    ours = _ours()
+    counts = {"ours": 0, "all": 0, "mode": 0}
+
+    def profile(frame, event, arg):
+        if event == "call":
+            counts["all"] += 1
+            if frame.f_code.co_filename.startswith(ours):
+                counts["ours"] += 1
+                counts["mode"] += frame.f_code.co_filename == adapter.__file__
+
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(None)
 
 
-def _native_dtype(cell, kind, low):
-    words = re.sub(r"\W+", " ", cell).split()
-    if words == ["low"]:
-        return low
-    if words == ["float32"]:
-        return "float32"
-    assert words in (["low", "input", "low"], ["input", "dtype"]), cell
-    return low if kind == "low" else "float32"
+def conv_net(fc):
+    return fc.module(lambda: torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8, track_running_stats=False),
+        torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16, track_running_stats=False),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(16, 10)))
 
 
-@pytest.mark.parametrize("low", LOWS)
-@pytest.mark.parametrize("row,kind", CASES, ids=IDS)
-def test_fake_cuda_plain_torch_autocast_matches_the_docs_native_column(fc, row, kind, low):
-    """docs/DTYPE_CONTRACT.md's "torch native, CUDA" column is what torch.autocast alone
-    gives, and stays so after unified_amp has registered its CUDA kernels (they are
-    inert outside a unified block)."""
-    with amp.autocast(dtype=low, device="cuda"):  # the kernels are registered by now
-        pass
-    with torch.autocast("cuda", dtype=getattr(torch, low)):
-        out = FakeCudaKit(fc).run_op(row, inputs(), "cuda", low, kind)
-    assert str(out.dtype).removeprefix("torch.") == \
-        _native_dtype(NATIVE_CUDA[row], "low" if kind == "mixed" else kind, low)
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: attention (one head: fake CUDA cannot copy the
+    permuted views that splitting heads makes, tests/fake_cuda.py bypass 5), an MLP, and
+    a classifier head on the mean over positions."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.q, self.k, self.v, self.proj = (torch.nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.head = torch.nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        q, k, v = (f(h).unsqueeze(1) for f in (self.q, self.k, self.v))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1))
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return self.head(x.mean(1))
 
 
-# The aten ops behind the table's float32 rows. The contract is a function mode
-# (docs/COMPILE.md), never a kernel in torch's dispatcher: where torch's CUDA autocast
-# has a float32 kernel the mode leaves the op alone, and it casts the inputs of the rest.
-FLOAT32_OPS = ["softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "mean",
-               "mean.dim", "exp", "log", "layer_norm", "avg_pool2d", "adaptive_avg_pool2d"]
-OURS_ON_CUDA = {"mean", "mean.dim", "avg_pool2d", "adaptive_avg_pool2d"}
+def transformer_block(fc):
+    return fc.module(Block)
 
 
-def test_fake_cuda_contract_registers_nothing_on_the_autocast_cuda_key(fc):
+STEPS = {
+    "conv net": (conv_net, lambda fc: fc.tensor((4, 3, 8, 8)),
+                 lambda out, y: F.cross_entropy(out, y)),
+    "transformer block": (transformer_block, lambda fc: fc.tensor((4, 6, 16)),
+                          lambda out, y: F.cross_entropy(out, y)),
+}
+
+
+@pytest.mark.parametrize("device", [None, "cuda"])
+@pytest.mark.parametrize("model", list(STEPS))
+def test_a_gpu_step_makes_no_python_call_into_unified_amp(fc, model, device):
+    build, data, loss_of = STEPS[model]
+    net, x = build(fc), data(fc)
+    y = torch.zeros(4, dtype=torch.long, device="cuda")
+    with amp.autocast(device=device):
+        with counting_calls() as counts:
+            loss = loss_of(net(x), y)
+    assert loss.dtype == torch.float32
+    assert counts["all"] > 0  # the count sees the forward's own Python calls
+    if MODE_ON_CUDA:  # an older torch: only the mode runs, for the rows it needs
+        assert counts["ours"] == counts["mode"], counts
+    else:
+        assert counts["ours"] == 0, counts
+
+
+# -- the table's registrations, the running torch's, and ours ---------------------------
+
+def _registrations(key):
+    return {op.removeprefix("aten::") for op in
+            torch._C._dispatch_get_registrations_for_dispatch_key(key)}
+
+
+def test_every_autocast_registration_lands_in_a_row():
+    """Each op that torch's CPU or CUDA autocast names is in some row of the table (so
+    its dtype is the contract's); on the table's own torch, the recorded sets are the
+    dispatcher's."""
+    ops = {op for r in ROWS for op in r.aten}
+    registered = _registrations("AutocastCPU") | _registrations("AutocastCUDA")
+    assert registered - ops == set()
+    if torch.__version__.split("+")[0] == table.TABLE_TORCH and not torch.backends.cuda.is_built():
+        assert _registrations("AutocastCUDA") == table.CUDA_REGISTRATIONS
+        assert _registrations("AutocastCPU") == table.CPU_REGISTRATIONS
+        assert len(registered) == 207
+
+
+def test_the_mode_covers_cuda_only_where_this_torch_registers_differently(monkeypatch):
+    """Decision for older torches: a row whose ops AutocastCUDA registers otherwise than
+    the table's torch did is the mode's on CUDA too (so a CUDA block pushes it there).
+    Here: this torch as it is (on the table's torch, nothing on CUDA), and as if
+    rms_norm lost its CUDA kernel (its row on CUDA)."""
+    drifted = [r.name for r in ROWS if adapter.drifted(r, "cuda")]
+    assert MODE_ON_CUDA == bool(drifted)
+    if torch.__version__.split("+")[0] == table.TABLE_TORCH:
+        assert drifted == []
+    real = adapter._registered
+    monkeypatch.setattr(adapter, "_registered",
+                        lambda op, key: False if op == "rms_norm" else real(op, key))
+    assert adapter.handled_devices(row("RMS norm")) == {"cpu", "cuda"}
+    assert adapter.handled_devices(row("linear")) == frozenset()
+
+
+def test_the_contract_registers_nothing_in_torchs_dispatcher(fc):
     with amp.autocast(dtype="float16", device="cuda"):
         pass
-    adapter = os.path.dirname(sys.modules[type(amp.get_backend()).__module__].__file__)
-    torchs = set()
-    for name in FLOAT32_OPS:
-        for line in torch._C._dispatch_dump(f"aten::{name}").splitlines():
-            assert adapter not in line, line
-        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCUDA"):
-            torchs.add(name)
-    assert torchs == set(FLOAT32_OPS) - OURS_ON_CUDA
+    with amp.autocast(dtype="bfloat16", device="cpu"):
+        pass
+    ours = _ours()
+    for op in sorted({op for r in ROWS for op in r.aten}):
+        try:
+            dump = torch._C._dispatch_dump(f"aten::{op}")
+        except RuntimeError:  # an op of another torch's table (_cudnn_rnn on a CPU build)
+            continue
+        assert not any(path in dump for path in ours), op
+
+
+def test_the_adapters_mode_is_the_only_python_on_a_cpu_block(monkeypatch):
+    """The CPU side, for contrast: a CPU block pushes the contract's mode (torch's CPU
+    policy is another one), and a GPU machine's default block does not."""
+    with amp.autocast(device="cpu"):
+        assert isinstance(torch._C._get_function_stack_at(0), adapter.ContractMode)
+    report_a_gpu(monkeypatch)
+    with amp.autocast():
+        assert torch._C._len_torch_function_stack() == int(MODE_ON_CUDA)
+        assert torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")

@@ -82,7 +82,7 @@ def test_fused_steps_never_read_a_flag_or_the_scale_back(name, monkeypatch):
         x = torch.randn(3, 4)
         if overflow:
             x[0, 0] = float("inf")
-        with unified_amp.autocast(dtype="bfloat16"):
+        with unified_amp.autocast(dtype="bfloat16", device="cpu"):
             gm = unified_amp.GradManager(model.parameters())
             with gm:
                 gm.backward(scaler.scale(model(x).float().pow(2).mean()))

@@ -54,7 +54,7 @@ def loss_of(model, x, y, scale_by: float = 1.0, low: bool = True):
     """MSE under bfloat16 autocast; ``low=False`` computes in float32, where a run must
     match another one that sums over the batch in a different order (bfloat16 rounds
     each partial sum of a gradient to 8 bits, so those would differ by ~0.5%)."""
-    with amp.autocast(enabled=low, dtype="bfloat16"):
+    with amp.autocast(enabled=low, dtype="bfloat16", device="cpu"):
         out = model(x)
     return F.mse_loss(out.float(), y) * scale_by
 

@@ -1,0 +1,276 @@
+"""The dtype contract on MegEngine (unified_amp/dtype_contract/), and MegEngine's
+autocast state as a block switches it.
+
+MegEngine decides its autocast dtypes in C++ (``dtype_promote.cpp``) and in a few Python
+functions (``amp._enabled``), where no hook reaches. So the adapter wraps the Python
+entry points of the rows where MegEngine's own autocast differs from the contract (or
+computes wrongly: its float16 pooling on the CPU), one generic wrapper per rule,
+installed on every module that binds the function by name and on ``megengine.Tensor``
+for its methods and operators. A wrapper is inert unless the innermost unified block
+asks for the contract, and runs the op with MegEngine's autocast off, as torch's
+Autocast kernels run theirs with autocast excluded: the casts are the wrapper's.
+
+Inside an ``amp.autocast(enabled=False)`` block nested in an enabled one, the wrappers
+of the contract's cast ops (every row but the "input" ones) cast mixed floating inputs
+to the widest of them, as MegEngine's own promotion does for the others (its layer
+norm, given a float16 input and float32 weights without autocast, ends the process);
+the "input" rows hand a low-precision input's result back in its dtype (MegEngine's
+mean is float32 even without autocast).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Any, Callable
+
+import megengine
+import megengine.functional as F
+from megengine.core import _config
+from megengine.core._imperative_rt.core2 import (
+    _get_amp_high_prec_dtype,
+    _get_amp_low_prec_dtype,
+    _set_amp_dtype_autocast,
+    _set_amp_high_prec_dtype,
+    _set_amp_low_prec_dtype,
+)
+from megengine.core.tensor import amp as _amp_state
+
+from unified_amp import dtype_contract as table
+
+from .basics import dtype_name, on_cpu
+
+# -- MegEngine's autocast state ---------------------------------------------------------------
+
+def set_autocast(enabled: bool, low: str = "float16") -> tuple:
+    """Sets MegEngine's autocast state the way megengine.amp.autocast does, returning
+    what it replaced."""
+    saved = (_amp_state._enabled, _get_amp_low_prec_dtype(), _get_amp_high_prec_dtype())
+    _amp_state._enabled = enabled
+    _set_amp_dtype_autocast(enabled)
+    if enabled:
+        _set_amp_high_prec_dtype("float32")
+        _set_amp_low_prec_dtype(low)
+    # megengine.amp.autocast sets compute_mode="float32" (float16 matmuls accumulate in
+    # float32). MegEngine asserts -- asynchronously -- if a float32 matmul runs in that
+    # mode, so a disabled block nested in an enabled one must put "default" back.
+    configs = _config._reset_execution_config(
+        compute_mode="float32" if enabled else "default")
+    return saved + (configs,)
+
+
+def restore_autocast(saved: tuple) -> None:
+    enabled, low, high, configs = saved
+    _amp_state._enabled = enabled
+    _set_amp_dtype_autocast(enabled)
+    _set_amp_low_prec_dtype(low)
+    _set_amp_high_prec_dtype(high)
+    _config._reset_execution_config(*configs)
+
+
+# MegEngine's autocast state is process-global (unlike torch's, which is per thread), so
+# this stack is too: what the innermost unified block asks of the wrappers.
+CONTRACT, PROMOTE = "contract", "promote"
+policy_stack: list[str | None] = []
+
+
+def policy() -> str | None:
+    return policy_stack[-1] if policy_stack else None
+
+
+# -- the wrappers ---------------------------------------------------------------------------------
+
+def handled(row: table.Row) -> bool:
+    """Whether MegEngine's own autocast does not keep ``row`` by itself."""
+    return row.native("megengine") != row.rule or any(
+        place.startswith("megengine") for place in row.float32_compute + row.wrapped)
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, megengine.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(fn, v) for v in value)
+    return value
+
+
+def _tensors(args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    _map(out.append, (args, list(kwargs.values())))
+    return out
+
+
+def _floating(t: Any) -> bool:
+    return dtype_name(t.dtype) in ("float16", "bfloat16", "float32")
+
+
+def _name(t: Any) -> str:
+    return dtype_name(t.dtype) or str(t.dtype)
+
+
+def _cast(args: Any, kwargs: dict[str, Any], to: str,
+          only: tuple[str, ...] = ("float16", "bfloat16", "float32")) -> tuple[Any, dict]:
+    def cast(t: Any) -> Any:
+        name = dtype_name(t.dtype)
+        return t.astype(to) if name in only and name != to else t
+
+    return _map(cast, args), {k: _map(cast, v) for k, v in kwargs.items()}
+
+
+def _returned_as(out: Any, want: str) -> Any:
+    return _map(lambda t: t.astype(want) if _floating(t) and dtype_name(t.dtype) != want
+                else t, out)
+
+
+def _widest(dtypes: set[str]) -> str:
+    return "float32" if "float32" in dtypes else next(iter(sorted(dtypes)))
+
+
+def _without_autocast(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
+    saved = set_autocast(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        restore_autocast(saved)
+
+
+def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``fn`` called as ``row``'s rule says, inside an enabled block."""
+    tensors = _tensors(args, kwargs)
+    if not tensors:
+        return fn(*args, **kwargs)
+    places = row.float32_compute
+    if "megengine-cpu" in places and not on_cpu(tensors[0]) and "megengine" not in \
+            places + row.wrapped and row.native("megengine") == row.rule:
+        return fn(*args, **kwargs)  # handled for its CPU kernels only
+    in_float32 = "megengine" in places or ("megengine-cpu" in places and on_cpu(tensors[0]))
+    low = dtype_name(_get_amp_low_prec_dtype()) or "float16"
+    dtypes = {_name(t) for t in tensors if _floating(t)}
+    if row.rule == "refuse":
+        raise RuntimeError(f"amp.autocast: {table.REFUSALS[row.name]}")
+    if row.rule == "float32":
+        args, kwargs = _cast(args, kwargs, "float32", ("float16", "bfloat16"))
+        return _without_autocast(fn, args, kwargs)
+    if row.rule == "low":
+        if in_float32:
+            args, kwargs = _cast(args, kwargs, "float32")
+            return _returned_as(_without_autocast(fn, args, kwargs), low)
+        args, kwargs = _cast(args, kwargs, low)
+        return _without_autocast(fn, args, kwargs)
+    if row.rule == "promote":
+        if not dtypes:
+            return fn(*args, **kwargs)
+        widest = _widest(dtypes)
+        args, kwargs = _cast(args, kwargs, widest)
+        return _returned_as(_without_autocast(fn, args, kwargs), widest)
+    # "input": the op as without autocast; a low-precision input computed in float32
+    # (where MegEngine's autocast upcasts, or its low-precision kernels fail) and
+    # returned in its dtype
+    first = next((_name(t) for t in tensors if _floating(t)), "")
+    if row.follows_first and first in ("float16", "bfloat16") or (
+            len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}):
+        args, kwargs = _cast(args, kwargs, "float32")
+        return _returned_as(_without_autocast(fn, args, kwargs), first)
+    return _without_autocast(fn, args, kwargs)
+
+
+def _promote(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Mixed floating inputs to the widest of them (a disabled block in an enabled one)."""
+    dtypes = {_name(t) for t in _tensors(args, kwargs) if _floating(t)}
+    if len(dtypes) > 1:
+        args, kwargs = _cast(args, kwargs, _widest(dtypes))
+    return fn(*args, **kwargs)
+
+
+def _following_input(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An "input" row in a disabled block in an enabled one: MegEngine's reduce gives a
+    float32 mean of a float16 input even without autocast (torch: float16), so a
+    low-precision input's result is handed back in its dtype."""
+    dtypes = {_name(t) for t in _tensors(args, kwargs) if _floating(t)}
+    out = fn(*args, **kwargs)
+    if len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}:
+        return _returned_as(out, next(iter(dtypes)))
+    return out
+
+
+def _which(entries: list[tuple[str, str, table.Row]], fn: Callable, args: Any,
+           kwargs: dict[str, Any]) -> table.Row:
+    """The row a call belongs to, where one function serves several (``megengine_when``)."""
+    if len(entries) == 1 or not any(name for name, _, _ in entries):
+        return entries[0][2]  # several rows of one rule (F.matmul: matmul, mv, bmm)
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    for name, value, row in entries:
+        if not name or str(bound.arguments.get(name)) == value:
+            return row
+    return entries[-1][2]
+
+
+def _wrapper(fn: Callable, entries: list[tuple[str, str, table.Row]]) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state = policy()
+        if state is None:
+            return fn(*args, **kwargs)
+        row = _which(entries, fn, args, kwargs)
+        if state == CONTRACT:
+            if not _amp_state._enabled or not handled(row):
+                return fn(*args, **kwargs)
+            return _contract(row, fn, args, kwargs)
+        if row.rule == "input":
+            return _following_input(fn, args, kwargs)
+        return _promote(fn, args, kwargs)
+
+    wrapped.__unified_amp_wraps__ = fn  # type: ignore[attr-defined]
+    return wrapped
+
+
+def resolve(spelling: str) -> tuple[Any, str, Any]:
+    """(where it is bound, its name there, the object) for a table spelling
+    ("F.softmax", "F.nn.layer_norm", "Tensor.__truediv__")."""
+    head, _, rest = spelling.partition(".")
+    owner: Any = {"F": F, "Tensor": megengine.Tensor}[head]
+    *path, name = rest.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name, None)
+
+
+def _rows_by_function() -> dict[tuple[int, str], tuple[Any, str, Any, list]]:
+    out: dict[tuple[int, str], tuple[Any, str, Any, list]] = {}
+    for row in table.ROWS:
+        if not (handled(row) or row.rule != "input"):
+            continue
+        when = row.megengine_when.partition("=")
+        for spelling in row.megengine:
+            owner, name, fn = resolve(spelling)
+            if fn is None:
+                continue
+            key = (id(fn), name)
+            entry = out.setdefault(key, (owner, name, fn, []))
+            if all(r is not row for _, _, r in entry[3]):
+                entry[3].append((when[0], when[2], row))
+    return out
+
+
+_installed = False
+
+
+def install() -> None:
+    """Wraps the contract's MegEngine functions, once: on ``megengine.Tensor`` and on
+    every MegEngine module that binds each by name (modules import them directly)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    modules = [m for name, m in list(sys.modules.items())
+               if m is not None and (name == "megengine" or name.startswith("megengine."))]
+    for owner, name, fn, entries in _rows_by_function().values():
+        wrapped = _wrapper(fn, entries)
+        if isinstance(owner, type):
+            setattr(owner, name, wrapped)
+            continue
+        for module in modules:
+            if getattr(module, name, None) is fn:
+                setattr(module, name, wrapped)

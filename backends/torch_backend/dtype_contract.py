@@ -1,0 +1,324 @@
+"""The dtype contract on torch (unified_amp/dtype_contract/): two torch function modes.
+
+The contract is torch's CUDA autocast policy, so on CUDA torch's own AutocastCUDA
+kernels keep it and nothing of ours runs: a block that covers only CUDA pushes no mode.
+Where torch's own autocast differs from a row -- on the CPU, where torch's CPU policy
+is another one, and on a device whose registrations differ from those the table was
+derived from (an older torch) -- ``ContractMode`` keeps the row, by casting the inputs
+of the row's Python spellings as torch's CUDA autocast kernels would, and computing in
+float32 where a row says the device has no low-precision kernel.
+
+The contract is a mode on torch's function-mode stack rather than a kernel on torch's
+Autocast key: dynamo guards on that stack and inlines the mode's ``__torch_function__``,
+so its casts become ordinary nodes of a captured graph, a graph traced with the
+contract differs from one without it in every cache, and plain ``torch.autocast`` never
+meets the contract.
+
+``PromoteMode`` is pushed by an ``amp.autocast(enabled=False)`` block (with the
+contract) inside an enabled block: there the ops that autocast would have cast get
+their mixed floating inputs cast to the widest of them (a low-precision activation
+meeting a float32 weight), which is what MegEngine does without autocast, instead of
+torch's "expected the same dtype" error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from unified_amp import dtype_contract as table
+
+LOW = (torch.float16, torch.bfloat16)
+_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)  # what autocast casts
+_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+# Registered on AutocastCUDA by torch's CUDA builds only (cuDNN's RNN), so absent from
+# the table's CPU-build sets.
+_CUDA_BUILD_ONLY = frozenset({"_cudnn_rnn"})
+
+
+def resolve(spelling: str) -> Any:
+    """The torch object a table spelling names ("F.softmax", "Tensor.sum",
+    "torch.linalg.inv"), or None where this torch lacks it."""
+    head, _, rest = spelling.partition(".")
+    obj: Any = {"F": F, "Tensor": torch.Tensor, "torch": torch}[head]
+    for part in rest.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _registered(op: str, key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+    except RuntimeError:  # no such operator in this torch
+        return False
+
+
+def _recorded() -> dict[str, frozenset[str]]:
+    cuda = table.CUDA_REGISTRATIONS
+    if torch.backends.cuda.is_built():
+        cuda = cuda | _CUDA_BUILD_ONLY
+    return {"cpu": table.CPU_REGISTRATIONS, "cuda": cuda}
+
+
+def drifted(row: table.Row, dev: str) -> bool:
+    """Whether this torch registers ``row``'s ops on ``dev``'s Autocast key otherwise
+    than the torch the table was derived from (an older torch): then what torch's own
+    autocast gives the row there is not the table's to say."""
+    recorded = _recorded()[dev]
+    return any(_registered(op, _KEYS[dev]) != (op in recorded) for op in row.aten)
+
+
+def handled_devices(row: table.Row) -> frozenset[str]:
+    """The device types on which torch's own autocast does not keep ``row`` by itself,
+    so the contract's mode must: the CPU where torch's CPU policy differs (or the row
+    computes in float32 there), and any device whose Autocast registrations of the
+    row's ops differ from the table's."""
+    devs = {dev for dev in _KEYS if drifted(row, dev)}
+    if row.native("torch-cpu") != row.rule or any(
+            place.startswith("torch-cpu") for place in row.float32_compute):
+        devs.add("cpu")
+    return frozenset(devs)
+
+
+# -- the pieces every handler uses ---------------------------------------------------------
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` applied to every tensor in ``value`` (lists and tuples of any depth: cat's
+    list, lstm's state tuple and weights)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        items = [_map(fn, v) for v in value]
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    return out
+
+
+def _autocast_device(args: Any, kwargs: dict[str, Any], where: frozenset[str]) -> str | None:
+    """The device type of the call's tensors if the contract acts there (one of
+    ``where``, with autocast on), else None."""
+    for t in _tensors(args, []) + _tensors(list(kwargs.values()), []):
+        dev = t.device.type
+        return dev if dev in where and torch.is_autocast_enabled(dev) else None
+    return None
+
+
+def _floating_dtypes(args: Any, kwargs: dict[str, Any], dev: str) -> set[torch.dtype]:
+    return {t.dtype for t in _tensors(args, []) + _tensors(list(kwargs.values()), [])
+            if t.dtype in _ELIGIBLE and t.device.type == dev}
+
+
+def _cast(args: Any, kwargs: dict[str, Any], dev: str, to: torch.dtype,
+          only: tuple[torch.dtype, ...] = _ELIGIBLE) -> tuple[Any, dict[str, Any]]:
+    """The call's floating tensors on ``dev`` whose dtype is one of ``only``, in ``to``
+    (as autocast's casts: other devices, integers, float64 and ``out=`` untouched)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(to) if t.dtype in only and t.dtype != to and t.device.type == dev else t
+
+    return (_map(cast, args),
+            {k: v if k == "out" else _map(cast, v) for k, v in kwargs.items()})
+
+
+_COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64}
+
+
+def _returned_as(out: Any, want: torch.dtype, name: str) -> Any:
+    """``out``'s floating (and complex) tensors in ``want`` (complex: its complex dtype)."""
+
+    def back(t: torch.Tensor) -> torch.Tensor:
+        if t.is_complex():
+            if want not in _COMPLEX:
+                raise RuntimeError(
+                    f"amp.autocast: {name} on a {want} input returns a complex tensor, and"
+                    f" torch has no complex {want} dtype (torch's CUDA kernels take no"
+                    f" {want} input there either). Cast the input to float32 first.")
+            return t.to(_COMPLEX[want]) if t.dtype != _COMPLEX[want] else t
+        return t.to(want) if t.dtype in _ELIGIBLE and t.dtype != want else t
+
+    return _map(back, out)
+
+
+@contextlib.contextmanager
+def _compiled_autocast_off(dev: str) -> Iterator[None]:
+    with torch.autocast(dev, enabled=False):
+        yield
+
+
+class _EagerAutocastOff:
+    """The device's autocast off for one call, as an Autocast kernel's exclusion guard
+    does (no nesting count: the enclosing block keeps the weight-cast cache)."""
+
+    __slots__ = ("dev",)
+
+    def __init__(self, dev: str) -> None:
+        self.dev = dev
+
+    def __enter__(self) -> None:
+        torch.set_autocast_enabled(self.dev, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_autocast_enabled(self.dev, True)
+
+
+def _autocast_off(dev: str) -> Any:
+    return _compiled_autocast_off(dev) if torch.compiler.is_compiling() \
+        else _EagerAutocastOff(dev)
+
+
+def _widest(dtypes: set[torch.dtype]) -> torch.dtype:
+    out = torch.float16 if torch.float16 in dtypes else torch.bfloat16
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+# -- one handler per rule -------------------------------------------------------------------
+
+Handler = Callable[[Any, Any, dict[str, Any]], Any]
+
+
+def _handler(row: table.Row, where: frozenset[str]) -> Handler:
+    rule, name = row.rule, row.name
+    float32_places = row.float32_compute
+
+    def computes_in_float32(dev: str, low: torch.dtype) -> bool:
+        return (f"torch-{dev}" in float32_places
+                or f"torch-{dev}-{str(low).removeprefix('torch.')}" in float32_places)
+
+    def in_float32(func: Any, args: Any, kwargs: dict[str, Any], dev: str,
+                   want: torch.dtype) -> Any:
+        args, kwargs = _cast(args, kwargs, dev, torch.float32)
+        with _autocast_off(dev):
+            out = func(*args, **kwargs)
+        return _returned_as(out, want, name)
+
+    def handle(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        dev = _autocast_device(args, kwargs, where)
+        if dev is None:
+            return func(*args, **kwargs)
+        if rule == "float32":  # torch's fp32 kernels: low-precision inputs up
+            args, kwargs = _cast(args, kwargs, dev, torch.float32, LOW)
+            return func(*args, **kwargs)
+        if rule == "low":
+            low = torch.get_autocast_dtype(dev)
+            if computes_in_float32(dev, low):
+                return in_float32(func, args, kwargs, dev, low)
+            args, kwargs = _cast(args, kwargs, dev, low)
+            return func(*args, **kwargs)
+        if rule == "refuse":
+            raise RuntimeError(f"amp.autocast: {table.REFUSALS[name]}")
+        dtypes = _floating_dtypes(args, kwargs, dev)
+        if rule == "promote":
+            if not dtypes:
+                return func(*args, **kwargs)
+            widest = _widest(dtypes)
+            args, kwargs = _cast(args, kwargs, dev, widest)
+            with _autocast_off(dev):
+                return _returned_as(func(*args, **kwargs), widest, name)
+        # "input": the op as without autocast; a low-precision input computed in float32
+        # (where torch's own autocast on this device upcasts, or has no low kernel) and
+        # returned in its dtype
+        first = next((t.dtype for t in _tensors(args, []) + _tensors(list(kwargs.values()), [])
+                      if t.dtype in _ELIGIBLE), None)
+        if row.follows_first and first in LOW or (len(dtypes) == 1 and first in LOW):
+            return in_float32(func, args, kwargs, dev, first)
+        with _autocast_off(dev):
+            return func(*args, **kwargs)
+
+    return handle
+
+
+def _spellings(rows: Any) -> dict[Any, table.Row]:
+    out: dict[Any, table.Row] = {}
+    for row in rows:
+        for spelling in row.torch:
+            fn = resolve(spelling)
+            if fn is not None:
+                out.setdefault(fn, row)
+    return out
+
+
+def _contract_handlers() -> tuple[dict[Any, Handler], frozenset[str]]:
+    handlers: dict[Any, Handler] = {}
+    devices: set[str] = set()
+    for fn, row in _spellings(table.ROWS).items():
+        where = handled_devices(row)
+        if where:
+            handlers[fn] = _handler(row, where)
+            devices |= where
+    return handlers, frozenset(devices)
+
+
+# Read once, at import, from the table and torch's dispatcher (nothing of ours is ever
+# registered in it).
+HANDLERS, MODE_DEVICES = _contract_handlers()
+
+
+class ContractMode(TorchFunctionMode):
+    """Keeps the contract's rows on the devices where torch's own autocast does not.
+
+    Pushed by an enabled unified autocast block with ``contract=True`` whose devices
+    include one of ``MODE_DEVICES`` (popped by a nested block without the contract).
+    Acts only where torch's autocast is on for the tensors' device, as a kernel on
+    torch's Autocast key would.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        handle = HANDLERS.get(func)
+        if handle is None:
+            return func(*args, **kwargs)
+        return handle(func, args, kwargs)
+
+
+# -- a disabled block inside an enabled one ---------------------------------------------------
+
+# The ops whose inputs autocast casts (every row but the "input" ones): those whose
+# mixed floating inputs torch refuses (matmuls, convolutions, norms) or computes in the
+# wrong precision without autocast.
+# (A dict, read with .get as HANDLERS is: dynamo hashes a builtin for set membership
+# and fails, "Missing hash_impl override".)
+PROMOTED = {fn: True for fn, row in _spellings(table.ROWS).items() if row.rule != "input"}
+
+
+class PromoteMode(TorchFunctionMode):
+    """Mixed floating inputs of the contract's ops cast to the widest of them, inside
+    an ``amp.autocast(enabled=False)`` block that sits in an enabled one."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if PROMOTED.get(func):
+            tensors = _tensors(args, []) + _tensors(list(kwargs.values()), [])
+            dtypes = {t.dtype for t in tensors if t.dtype in _ELIGIBLE}
+            if len(dtypes) > 1:
+                widest = _widest(dtypes)
+                dev = tensors[0].device.type
+                args, kwargs = _cast(args, kwargs, dev, widest)
+        return func(*args, **kwargs)
+
+
+# One instance of each serves every block: dynamo guards on the stack's mode types, and
+# the modes keep no state.
+CONTRACT = ContractMode()
+PROMOTE = PromoteMode()

@@ -1,0 +1,63 @@
+"""The dtype contract under ``torch.compile``: the rows whose ops the contract's mode
+keeps on the CPU, compiled, give the contract's dtypes.
+
+dynamo inlines a Python function such as ``F.pad`` or ``F.interpolate`` and meets the
+mode at the builtin it calls (``torch._C._nn.pad``), where eager code meets it at the
+Python function: the table lists both spellings, and this checks that every row the
+mode keeps holds compiled as it does eagerly (docs/DTYPE_CONTRACT.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import unified_amp as amp
+from unified_amp.backends.torch_backend import dtype_contract as adapter
+
+from ..contract.dtype_table import ROWS, dtypes, expected, inputs, names
+
+pytestmark = pytest.mark.timeout(900)
+LOW = "bfloat16"
+
+
+def kept(kind):
+    """The rows the mode keeps on the CPU (nothing of ours runs for the others), with a
+    torch call; not the refusal, nor an FFT of a bfloat16 input: both raise, eagerly
+    and compiled alike (tests/contract)."""
+    return [r for r in ROWS if r.torch_call and "cpu" in adapter.handled_devices(r)
+            and r.rule != "refuse" and not (r.no_bfloat16 and kind != "float32")
+            and r.name not in UNTRACEABLE]
+
+
+# Rows dynamo cannot put in one graph whatever the mode does: CTC loss's output shape
+# depends on its inputs' values ("Dynamic shape operator").
+UNTRACEABLE = {"CTC loss"}
+
+
+@pytest.mark.parametrize("kind", ["float32", "low"])
+def test_the_rows_the_mode_keeps_hold_compiled(kind):
+    rows, inp = kept(kind), inputs()
+    # each row's call as a function of its sample tensors (dynamo traces into it)
+    calls = [(eval(f"lambda {', '.join(names(r.torch_call))}: {r.torch_call}",  # noqa: S307
+                   {"torch": torch, "F": F}),
+              [torch.from_numpy(inp[n]) if dtype == "int"
+               else torch.from_numpy(inp[n]).to(getattr(torch, dtype))
+               for n, dtype in dtypes(r.torch_call, kind, LOW).items()]) for r in rows]
+
+    def block():
+        with amp.autocast(dtype=LOW, device="cpu"):
+            return [fn(*args) for fn, args in calls]
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(block, backend="aot_eager", fullgraph=True)()
+    finally:
+        torch._dynamo.reset()
+    wrong = {r.name: (str(out.dtype), expected(r, kind, LOW, r.torch_call))
+             for r, out in zip(rows, got)
+             if str(out.dtype).removeprefix("torch.") != expected(r, kind, LOW, r.torch_call)}
+    # the rows whose note says compiled code keeps torch's own rule (Row.compiled)
+    assert len(rows) > 50 and set(wrong) == {r.name for r in rows if r.compiled
+                                             and kind == "low"}, wrong

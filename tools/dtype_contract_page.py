@@ -1,0 +1,94 @@
+"""docs/DTYPE_CONTRACT.md's table, written from unified_amp/dtype_contract/.
+
+Only the text between the page's table markers is generated; the prose around it is
+written by hand. tests/contract/test_dtype_table.py checks that the page holds what this
+writes. Framework-free: it reads the table only.
+
+Usage: python tools/dtype_contract_page.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from unified_amp.dtype_contract import ROWS, Row  # noqa: E402
+
+DOC = ROOT / "docs" / "DTYPE_CONTRACT.md"
+BEGIN = "<!-- table:begin: written by tools/dtype_contract_page.py from unified_amp/dtype_contract/ -->"
+END = "<!-- table:end -->"
+GROUPS = {
+    "matmul": "Matmuls", "convolution": "Convolutions", "recurrent": "Recurrent cells",
+    "attention": "Attention", "elementwise": "Elementwise math", "activation": "Activations",
+    "reduction": "Reductions", "norm": "Norms and distances", "pool": "Pooling",
+    "resample": "Resampling", "pad": "Padding", "loss": "Losses", "indexing": "Indexing and joining",
+    "linalg": "Linear algebra", "spectral": "Spectral and complex",
+    "quantization": "Quantization",
+}
+CELLS = {"low": ("low", "low"), "float32": ("float32", "float32"),
+         "input": ("float32", "low"), "promote": ("float32", "low"),
+         "refuse": ("error", "error")}
+
+
+def _code(names: tuple[str, ...]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def _notes(r: Row) -> str:
+    notes = []
+    if r.rule == "promote":
+        notes.append("mixed float32/low inputs: float32.")
+    if r.reason:
+        notes.append(r.reason)
+    if not r.cuda_low:
+        notes.append("torch's CUDA kernels take no low-precision input (torch raises there,"
+                     " with autocast or without): the CUDA cell is checked with a float32"
+                     " input.")
+    if r.no_bfloat16:
+        notes.append("bfloat16 input: an error everywhere (no complex bfloat16 dtype).")
+    if r.compiled:
+        notes.append(f"Under torch.compile: {r.compiled}")
+    if r.fake_cuda:
+        notes.append(f"Not checked on fake CUDA: {r.fake_cuda}.")
+    return " ".join(notes)
+
+
+def _row(r: Row) -> str:
+    f32, low = CELLS[r.rule]
+    megengine = _code(r.megengine) if r.megengine_call else "absent"
+    own_megengine = r.native("megengine") if r.megengine_call else ""
+    cells = [f"`{r.name}`", r.rule, f32, low, r.native("torch-cpu"), own_megengine,
+             _code(r.aten) or "(none)", megengine, _notes(r)]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def table_section() -> str:
+    """The generated part of the page, markers included."""
+    head = ("| op class | rule | float32 input | low input | torch.autocast on CPU alone"
+            " | megengine.amp alone | torch ops (Autocast registrations) | MegEngine |"
+            " notes |\n|---|---|---|---|---|---|---|---|---|")
+    parts = [BEGIN, ""]
+    for group, title in GROUPS.items():
+        rows = [r for r in ROWS if r.group == group]
+        if not rows:
+            continue
+        parts += [f"### {title}", "", head, *(_row(r) for r in rows), ""]
+    missing = {r.group for r in ROWS} - set(GROUPS)
+    assert not missing, f"rows in groups without a title: {missing}"
+    parts.append(END)
+    return "\n".join(parts)
+
+
+def main() -> int:
+    text = DOC.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    DOC.write_text(text[:start] + table_section() + text[end:])
+    print(f"wrote {DOC.relative_to(ROOT)}: {len(ROWS)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
