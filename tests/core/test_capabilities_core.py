@@ -9,6 +9,7 @@ adapter that lacks part of the required core is refused when it is loaded.
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,9 @@ def test_the_required_core_is_small():
     assert "name" in required and "unscale_and_check" in required
     assert not set(required) & set(interface.missing(object(), capabilities.OptLevelCasting))
     assert len(required) - 1 + len(tape) <= 30  # (name is an attribute)
+    design = (Path(__file__).parents[2] / "docs" / "DESIGN.md").read_text()
+    count = len(required) - 1 + len(tape)
+    assert f"`unified_amp/interface.py`: {count} methods" in design  # the count it gives
 
 
 def test_the_fake_provides_the_core_and_no_capability(fake):
