@@ -28,6 +28,7 @@ from .apex.cast_registry import (
 from .errors import (
     BackendUnavailableError,
     CompileWarning,
+    MissingCapabilityError,
     PortabilityWarning,
     ScalerArgumentError,
     ScalerStateError,
@@ -92,6 +93,7 @@ __all__ = [
     "ScalerStateError",
     "ScalerArgumentError",
     "StateDictError",
+    "MissingCapabilityError",
     "PortabilityWarning",
     "CompileWarning",
 ]

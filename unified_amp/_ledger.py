@@ -2,6 +2,6 @@
 ``unified_amp._ledger.GradLedger`` (tests/test_structure.py loads one)."""
 
 from .scaler._ledger import GradLedger
-from .scaler._machine import Check
+from .scaler._iteration import Check
 
 __all__ = ["Check", "GradLedger"]

@@ -19,12 +19,10 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import Any, Callable, cast
 
-from .errors import BackendUnavailableError, UnknownBackendError
-
-if TYPE_CHECKING:
-    from .interface import Backend
+from .errors import BackendUnavailableError, MissingCapabilityError, UnknownBackendError
+from .interface import Backend, missing
 
 ENV_VAR = "UNIFIED_AMP_BACKEND"
 
@@ -196,7 +194,7 @@ def _bind_checkout_backends() -> None:
 def _load(name: str) -> "Backend":
     target = _known()[name]
     if callable(target):
-        return cast("Backend", target())
+        return _checked(name, target())
     module_name, _, attr = target.partition(":")
     if module_name.startswith(_ADAPTERS + "."):
         _bind_checkout_backends()
@@ -206,7 +204,20 @@ def _load(name: str) -> "Backend":
         if name in _BUILTIN and not _framework_installed(name):
             raise _unavailable(name) from exc
         raise
-    return cast("Backend", getattr(module, attr)())
+    return _checked(name, getattr(module, attr)())
+
+
+def _checked(name: str, adapter: Any) -> "Backend":
+    """``adapter``, once it is seen to provide the required core (interface.Backend)."""
+    lacks = missing(adapter, Backend)
+    if lacks:
+        raise MissingCapabilityError(
+            f"The {name!r} backend's adapter {type(adapter).__name__} does not provide the"
+            f" required core (unified_amp.interface.Backend): it has no {', '.join(lacks)}."
+            f" Every backend implements all of it (docs/DESIGN.md, 'The adapter"
+            f" interface'); what it may leave out is in unified_amp.capabilities."
+        )
+    return cast("Backend", adapter)
 
 
 def get_backend() -> "Backend":

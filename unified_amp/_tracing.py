@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .scaler._scale_rule import f32
+from ._scale_rule import f32
 from .errors import UnsupportedTraceError
-from .interface import Tracing, capability
+from .capabilities import Tracing, capability
 
 RERUN = "rerun"
 ONCE = "once"

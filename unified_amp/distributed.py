@@ -33,7 +33,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from .interface import Collectives, DataParallelHooks, capability
+from .capabilities import Collectives, DataParallelHooks, capability
 
 __all__: list[str] = []
 

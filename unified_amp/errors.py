@@ -1,11 +1,16 @@
-"""The errors unified_amp raises on bad input.
+"""The errors unified_amp raises on bad input, and its warnings.
 
-Each one subclasses the built-in type a user would already catch (``ValueError``,
+Each error subclasses the built-in type a user would already catch (``ValueError``,
 ``ImportError``, ``RuntimeError``), so code written for torch.amp or megengine.amp keeps
-working, and names the bad value, what was expected and the fix.
+working, and names the bad value, what was expected and the fix. A warning points at
+the user's line (``_user_stacklevel``).
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from types import FrameType
 
 __all__ = [
     "UnifiedAmpError",
@@ -17,6 +22,7 @@ __all__ = [
     "ScalerStateError",
     "ScalerArgumentError",
     "StateDictError",
+    "MissingCapabilityError",
     "PortabilityWarning",
     "CompileWarning",
 ]
@@ -107,6 +113,14 @@ class StateDictError(UnifiedAmpError, ValueError, RuntimeError, KeyError, TypeEr
         return str(self.args[0]) if self.args else ""
 
 
+class MissingCapabilityError(UnifiedAmpError, NotImplementedError):
+    """A feature the active backend's adapter does not provide: an optional capability
+    (``unified_amp.capabilities``: ``amp.initialize`` needs ``OptLevelCasting``,
+    ``amp.trace_forward`` needs ``ForensicsProbes``, ...), or, when an adapter is loaded,
+    a method of the required core (``unified_amp.interface.Backend``). Names the backend,
+    the capability and the methods its adapter lacks."""
+
+
 class PortabilityWarning(UserWarning):
     """Code that runs on this backend but not on the other: on torch, gradients that a
     ``with gm:`` block of an ``amp.GradManager`` got from a backward pass the
@@ -119,3 +133,17 @@ class CompileWarning(UserWarning):
     block: dynamo gave up on the function holding the block (a graph break inside it)
     and runs that function eagerly, compiling only the functions it calls. Said once per
     function, with the torch version and the fix (docs/COMPILE.md)."""
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the calling function that points
+    at the first frame outside unified_amp and its adapters: the user's line."""
+    ours = [os.path.dirname(os.path.abspath(__file__))]
+    adapters = sys.modules.get("unified_amp.backends")
+    ours += [os.path.abspath(p) for p in getattr(adapters, "__path__", [])]
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            tuple(ours)):
+        frame, level = frame.f_back, level + 1
+    return level

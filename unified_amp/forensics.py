@@ -22,9 +22,12 @@ Two parts, both written once here over the adapter's primitives:
 
 Each trace keeps its own flags; each GradScaler reads those recorded since its own last
 ``update()``, and flags are dropped only once every live scaler has passed them, so two
-scalers in one process never clear or read each other's. This module holds the reports
-and the tracing; one scaler's side (its hook, history and warning state) is
-``scaler/_forensics.py``.
+scalers in one process never clear or read each other's.
+
+One scaler's side is :class:`ScalerForensics`, its reports, history and warning state:
+the scaler's state machine announces what happened (the scale went out, a check found
+an inf/NaN, an update was counted), and it listens. The machine imports nothing of this
+module.
 
 Reports read the same on both backends: parameter names are the frameworks' dotted
 module paths (the same for the same model), sorted, and the wording is fixed here.
@@ -32,13 +35,18 @@ module paths (the same for the same model), sorted, and the wording is fixed her
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
+import re
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import _foreign, _tracing
+from .capabilities import ForensicsProbes, capability, require
+from .errors import _user_stacklevel
 from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .pinning import pin_expression
@@ -306,7 +314,7 @@ class ForwardTrace:
                 + (_foreign.hint(model, backend.name)
                    or " Pass the model itself, e.g. amp.trace_forward(model).")
             )
-        self._backend = backend
+        self._backend: Any = require(backend, ForensicsProbes, "amp.trace_forward")
         self.model = model
         self._modules: list[tuple[str, str]] = []  # (name, class name) by hook index
         self._module_refs: list[Callable[[], Any]] = []  # the modules, by hook index
@@ -490,3 +498,184 @@ def first_nonfinite(records: list[_Record], finite: list[list[bool]],
             first = NonFiniteOutput(name, kind, record.dtype,
                                     pin_expression(_pin_name(record, watched)))
     return first, samples
+
+
+# -- one scaler's side: what it listens to -------------------------------------------------
+def _natural(name: str) -> list[Any]:
+    # "layers.10.weight" after "layers.9.weight"
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _check_int(name: str, value: Any, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"GradScaler.watch() {name} must be an int; got {value!r}.")
+    if value < least:
+        raise ValueError(f"GradScaler.watch() {name} must be >= {least}; got {value!r}.")
+
+
+def _loss_of(outputs: Any) -> Any:
+    """The loss a report gives the value of: the scaled tensor, or the first of a list."""
+    if isinstance(outputs, (list, tuple)):
+        outputs = outputs[0] if outputs else None
+    return outputs if hasattr(outputs, "shape") else None
+
+
+class ScalerForensics:
+    """One GradScaler's overflow reports, history and warning state, made from what its
+    state machine announces (a ``Listener`` of scaler/_machine.py)."""
+
+    def __init__(self, enabled: bool) -> None:
+        # Reads forward traces' flags; a disabled scaler checks nothing, so never reports.
+        self._traces = Reader() if enabled else None
+        self._models: list[Callable[[], Any]] = []
+        self.loss: Any = None  # the last loss scaled in this iteration
+        self.warn_after = 10
+        self.warn_below = 1.0
+        self.history: collections.deque[OverflowReport] = collections.deque(maxlen=16)
+        self.last: OverflowReport | None = None
+        self._run = 0  # skipped steps in a row
+        self._warned = False  # this run of skipped steps has been warned about
+        self._stall_warned = False  # overflows with no update() between: warned about
+
+    def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
+        _check_int("warn_after", warn_after, 1)
+        _check_int("history", history, 0)
+        if isinstance(warn_below, bool) or not isinstance(warn_below, (int, float)) or \
+                not (warn_below >= 0 and math.isfinite(warn_below)):
+            raise ValueError(
+                f"GradScaler.watch() warn_below must be a finite number >= 0 (0 turns the"
+                f" floor off); got {warn_below!r}."
+            )
+        if model is not None:
+            backend = get_backend()
+            if not backend.is_module(model):
+                hint = (" Pass the model itself, not its parameters."
+                        if isinstance(model, (list, tuple)) or hasattr(model, "__next__")
+                        else "")
+                raise TypeError(
+                    f"GradScaler.watch() expects a {backend.name} module (the model whose"
+                    f" parameters get names in overflow reports); got"
+                    f" {type(model).__name__}.{hint or _foreign.hint(model, backend.name)}"
+                )
+            require(backend, ForensicsProbes, "GradScaler.watch(model)")
+            if all(ref() is not model for ref in self._models):
+                self._models.append(_ref(model))
+        self.warn_after, self.warn_below = warn_after, float(warn_below)
+        if history != self.history.maxlen:
+            self.history = collections.deque(self.history, maxlen=history)
+
+    def history_dicts(self) -> list[dict[str, Any]]:
+        return [r.as_dict() for r in self.history]
+
+    # -- what the machine announces --------------------------------------------------------
+    def scaled(self, outputs: Any) -> None:
+        """Remembers the loss being scaled, for the report's loss value, until the
+        iteration ends (the loop holds it that long anyway)."""
+        self.loss = _loss_of(outputs)
+
+    def overflow_found(self, params: list[Any], step: int, scale: float,
+                       overflows_since_update: int) -> None:
+        # A diagnostic must not end a training run: a failure here becomes a warning.
+        try:
+            self._report(params, step, scale, overflows_since_update)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"unified_amp: the overflow report failed ({type(exc).__name__}:"
+                          f" {exc}); the step was skipped as usual.", RuntimeWarning,
+                          stacklevel=_user_stacklevel())
+
+    def gradients_dropped(self, params: list[Any], overflows_since_update: int,
+                          scale: float) -> None:
+        """The scale backs off only in update(), so a loop of megengine.amp's manual
+        form that never calls it skips every step at the same scale: said once."""
+        overflows = overflows_since_update
+        if self._stall_warned or overflows < max(2, self.warn_after):
+            return
+        self._stall_warned = True
+        last = f" Last: {self.last.line()}" if self.last is not None else ""
+        warnings.warn(OverflowWarning(
+            f"unified_amp: {overflows} gradient checks since the last scaler.update() found"
+            f" inf/NaN gradients and dropped them, so the weights have not moved; the loss"
+            f" scale stays {scale:g}, because only update() backs it off. Call"
+            f" scaler.update() once per iteration, after the optimizer step"
+            f" (megengine.amp's manual form: gm.backward(scaler.scale(loss)),"
+            f" scaler.unscale(gm), opt.step(), scaler.update()).{last}"),
+            stacklevel=_user_stacklevel())
+
+    def updated(self, skipped: bool, scale: float, step: int) -> None:
+        """Follows runs of skipped steps; warns once per run that goes on too long."""
+        if not skipped:
+            self._run, self._warned = 0, False
+            return
+        self._run += 1
+        long_run = self._run >= self.warn_after
+        # One skip below the floor is no collapse (a scale that starts low backs off
+        # once); two in a row are.
+        collapsed = self._run >= 2 and scale < self.warn_below
+        if self._warned or not (long_run or collapsed):
+            return
+        self._warned = True
+        first = step - self._run + 1
+        floor = f", below warn_below={self.warn_below:g}" if collapsed else ""
+        last = f" Last: {self.last.line()}" if self.last is not None else ""
+        warnings.warn(OverflowWarning(
+            f"unified_amp: {self._run} step{'s' if self._run > 1 else ''} in a row (steps"
+            f" {first}-{step}) skipped for inf/NaN gradients; loss scale now"
+            f" {scale:g}{floor}: training is not progressing.{last}"),
+            stacklevel=_user_stacklevel())
+
+    def iteration_ended(self) -> None:
+        self._stall_warned = False
+        self.loss = None
+        if self._traces is not None:
+            self._traces.passed()  # this scaler's next report reads only newer flags
+
+    # -- the report: only after a check found an inf/NaN -----------------------------------
+    def _report(self, params: list[Any], step: int, scale: float,
+                overflows_since_update: int) -> None:
+        backend = capability(get_backend(), ForensicsProbes)
+        if backend is None:
+            return  # an adapter without the probes gets no reports (the warning stays)
+        with_grad = [p for p in params if p.grad is not None]
+        loss = self.loss
+        if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
+            loss = None
+        # The flags recorded since this scaler's last update, whichever trace made them.
+        records = self._traces.unread() if self._traces is not None else []
+        unseen = any(r.flag is None for r in records)  # a forward inside a trace
+        traced = (bool(records) or any(t.active for t in traces())) and not unseen
+        if not traced:
+            records = []
+        # The one host read of the report (the verdict before it was the step's own).
+        counts, loss_value, finite = backend.read_overflow(
+            [p.grad for p in with_grad], loss, [r.flag for r in records])
+        names = self._names(backend, records)
+        bad = []
+        for i, (p, (n_inf, n_nan)) in enumerate(zip(with_grad, counts)):
+            if n_inf or n_nan:
+                name = names.get(id(p), f"param[{i}]")
+                bad.append(BadGradient(name, tuple(int(d) for d in p.grad.shape),
+                                       n_inf, n_nan))
+        bad.sort(key=lambda g: (g.name.startswith("param["), _natural(g.name)))
+        watched = [m for m in (ref() for ref in self._models) if m is not None]
+        first, samples = first_nonfinite(records, finite, watched)
+        report = OverflowReport(
+            step=step, scale=scale, loss=loss_value, checked=len(with_grad),
+            gradients=tuple(bad), traced=traced, first_nonfinite=first,
+            bad_samples=samples, forward_in_trace=unseen,
+            overflows_since_update=overflows_since_update)
+        self.last = report
+        if self.history.maxlen:
+            self.history.append(report)
+
+    def _names(self, backend: Any, records: list[Any]) -> dict[int, str]:
+        names: dict[int, str] = {}
+        active = dict.fromkeys([t for t in traces() if t.active] + [r.trace for r in records])
+        models = [ref() for ref in self._models] + [t.model for t in active]
+        seen: set[int] = set()
+        for model in models:
+            if model is None or id(model) in seen:
+                continue
+            seen.add(id(model))
+            for name, p in backend.named_parameters(model):
+                names.setdefault(id(p), name)
+        return names

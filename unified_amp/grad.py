@@ -12,7 +12,7 @@ from . import _overflowed, _tracing, distributed
 from ._registry import get_backend
 from .errors import PortabilityWarning
 from .scaler._targets import params_of
-from .interface import DataParallelHooks, GradVersions, capability
+from .capabilities import DataParallelHooks, GradVersions, capability
 
 __all__ = ["GradManager", "clip_grad_norm"]
 

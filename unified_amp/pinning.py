@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .apex import _state as _amp_state
+from . import _latest_initialize
 from . import _foreign
 from ._casting import _cast_tree
+from .capabilities import OptLevelCasting, require
 from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .autocast import autocast
@@ -180,12 +181,14 @@ def _pin(module: Any, backend: Any) -> None:
         # parameter objects. Where a master weight holds the exact value, it is used;
         # O2 copies the masters in after every step anyway.
         pin.recast = backend.dtype_name(low[0].dtype)
-        backend.cast_module(module, "float32", False)
-        _refill_from_masters(module, backend)
+        casting = require(backend, OptLevelCasting,
+                          f"amp.keep_float32 of a module with {pin.recast} weights")
+        casting.cast_module(module, "float32", False)
+        _refill_from_masters(module, casting)
 
 
 def _refill_from_masters(module: Any, backend: Any) -> None:
-    state = _amp_state.latest()  # the latest initialize's
+    state = _latest_initialize.latest()
     master_of = getattr(state, "master_of", None) if state is not None else None
     if not master_of:
         return
@@ -199,7 +202,8 @@ def _unpin(module: Any, backend: Any) -> None:
     if pin is None:
         return
     if pin.recast is not None:
-        backend.cast_module(module, pin.recast, True)
+        require(backend, OptLevelCasting, "amp.keep_float32(..., enabled=False)"
+                ).cast_module(module, pin.recast, True)
     if vars(module).get("forward") is pin:
         if pin.inner is None:
             del module.forward

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from unified_amp import interface
+from unified_amp import capabilities, interface
 
 from .autocast import Autocasting
 from .basics import Basics
@@ -34,5 +34,5 @@ class MegEngineBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCast
 
 if TYPE_CHECKING:  # mypy holds the adapter to the interface (make typecheck)
     _backend: interface.Backend = MegEngineBackend()
-    _collectives: interface.Collectives = MegEngineBackend()
-    _tracing: interface.Tracing = MegEngineBackend()
+    _collectives: capabilities.Collectives = MegEngineBackend()
+    _tracing: capabilities.Tracing = MegEngineBackend()

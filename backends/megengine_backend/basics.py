@@ -1,4 +1,5 @@
-"""Framework basics: MegEngine's dtypes and devices, as the core names them."""
+"""Framework basics: MegEngine's dtypes, devices, tensors, modules and casts, as the
+core names them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 import numpy as np
 
 import megengine
-from megengine.core.tensor.dtype import is_bfloat16
+from megengine.core.tensor.dtype import bfloat16, is_bfloat16
+from megengine.module import Module as _Module
 
 from unified_amp import interface
 
@@ -35,11 +37,32 @@ def dtype_name(dtype: Any) -> str | None:
     return "bfloat16" if is_bfloat16(dt) else dt.name
 
 
+def cast(tensor: Any, dtype: str) -> Any:
+    if dtype_name(tensor.dtype) == dtype:
+        return tensor
+    return tensor.astype(bfloat16 if dtype == "bfloat16" else dtype)
+
+
 class Basics(interface.Basics):
-    """Devices and dtypes."""
+    """Devices, dtypes, tensors, modules, casts."""
 
     def cuda_available(self) -> bool:
         return bool(megengine.is_cuda_available())
 
     def dtype_name(self, dtype: Any) -> str | None:
         return dtype_name(dtype)
+
+    def device_type(self, tensor: Any) -> str:
+        return "cpu" if on_cpu(tensor) else "cuda"
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, megengine.Tensor)
+
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, _Module)
+
+    def named_modules(self, model: Any) -> list[tuple[str, Any]]:
+        return list(model.named_modules())
+
+    def cast(self, tensor: Any, dtype: str) -> Any:
+        return cast(tensor, dtype)

@@ -52,7 +52,7 @@ from megengine.functional.math import _check_non_finite
 from megengine.jit import exclude_from_trace
 from megengine.jit import tracing as _tracing
 
-from unified_amp import interface
+from unified_amp import capabilities
 
 from .scaling import require_float32
 
@@ -67,7 +67,7 @@ def _settle(tensors: Sequence[Any]) -> None:
         _check_non_finite(same, 1.0)
 
 
-class DeviceScale(interface.TracedScale):
+class DeviceScale(capabilities.TracedScale):
     """The scaler's scale, growth tracker, skipped-step count and last verdict as
     MegEngine tensors, with the step's check, skip and scale update as device ops."""
 
@@ -216,7 +216,7 @@ def _call_before_traces(call: Any) -> Any:
     return __call__
 
 
-class TracedSteps(interface.Tracing):
+class TracedSteps(capabilities.Tracing):
     """Whether a ``megengine.jit.trace`` is running, and the scale that lives on the
     device for it (unified_amp/_tracing.py has the policy)."""
 

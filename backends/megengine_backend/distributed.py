@@ -9,10 +9,10 @@ import megengine
 import megengine.functional as F
 from megengine import distributed as dist  # (import megengine loads it already)
 
-from unified_amp import interface
+from unified_amp import capabilities
 
 
-class Collectives(interface.Collectives):
+class Collectives(capabilities.Collectives):
     """Process groups and the flag's MAX all-reduce.
 
     MegEngine's collectives run on GPUs with NCCL only (megengine.distributed rejects

@@ -13,14 +13,14 @@ import numpy as np
 import megengine
 import megengine.functional as F
 
-from unified_amp import interface
+from unified_amp import capabilities
 
 from .basics import is_low
 
 _SPLIT = 4096
 
 
-class ForensicsProbes(interface.ForensicsProbes):
+class ForensicsProbes(capabilities.ForensicsProbes):
     """What the core's forensics (unified_amp/forensics.py) reads from MegEngine."""
 
     def finite_flag(self, tensor: Any, per_row: bool = False) -> Any:
@@ -69,9 +69,6 @@ class ForensicsProbes(interface.ForensicsProbes):
             finite.append([bool(v) for v in np.isfinite(values[at:at + n])])
             at += n
         return counts_out, loss_value, finite
-
-    def named_modules(self, model: Any) -> list[tuple[str, Any]]:
-        return list(model.named_modules())
 
     def named_parameters(self, model: Any) -> list[tuple[str, Any]]:
         return list(model.named_parameters())

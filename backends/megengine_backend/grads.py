@@ -47,9 +47,6 @@ class Gradients(interface.Gradients):
     def new_tape(self) -> _Tape:
         return _Tape()
 
-    def is_tensor(self, obj: Any) -> bool:
-        return isinstance(obj, megengine.Tensor)
-
     def grads(self, params: Any) -> list[Any]:
         return [p.grad for p in params if p.grad is not None]
 

@@ -10,38 +10,21 @@ from typing import Any, Sequence
 
 import megengine
 import megengine.module.batchnorm as _mbn
-from megengine.core.tensor.dtype import bfloat16
-from megengine.module import Module as _Module
 
-from unified_amp import interface
+from unified_amp import capabilities
 
-from .basics import dtype_name, on_cpu
+from .basics import cast, dtype_name
 
 
-def cast(tensor: Any, dtype: str) -> Any:
-    if dtype_name(tensor.dtype) == dtype:
-        return tensor
-    return tensor.astype(bfloat16 if dtype == "bfloat16" else dtype)
-
-
-class OptLevelCasting(interface.OptLevelCasting):
+class OptLevelCasting(capabilities.OptLevelCasting):
     """Casting modules and tensors, master copies, and moving gradients between them.
 
     MegEngine has no multi-tensor kernels (its own optimizers loop over parameters in
     Python too), so the gradient and weight copies below are one op per tensor.
     """
 
-    def is_module(self, obj: Any) -> bool:
-        return isinstance(obj, _Module)
-
-    def device_type(self, tensor: Any) -> str:
-        return "cpu" if on_cpu(tensor) else "cuda"
-
     def default_low_dtype(self, device: str) -> str:
         return "float16"  # its CPU build computes no bfloat16 (check_precision)
-
-    def cast(self, tensor: Any, dtype: str) -> Any:
-        return cast(tensor, dtype)
 
     def cast_module(self, module: Any, dtype: str, keep_batchnorm_fp32: bool,
                     skip: Sequence[Any] = ()) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from unified_amp import interface
+from unified_amp import capabilities, interface
 
 
 def _import_parts() -> None:
@@ -59,9 +59,9 @@ class TorchBackend(Basics, Autocasting, Gradients, LossScaling, OptLevelCasting,
 
 if TYPE_CHECKING:  # mypy holds the adapter to the interface (make typecheck)
     _backend: interface.Backend = TorchBackend()
-    _versions: interface.GradVersions = TorchBackend()
-    _probes: interface.BackwardProbes = TorchBackend()
-    _resident: interface.DeviceResident = TorchBackend()
-    _native: interface.NativeScalerClass = TorchBackend()
-    _collectives: interface.Collectives = TorchBackend()
-    _data_parallel: interface.DataParallelHooks = TorchBackend()
+    _versions: capabilities.GradVersions = TorchBackend()
+    _probes: capabilities.BackwardProbes = TorchBackend()
+    _resident: capabilities.DeviceResident = TorchBackend()
+    _native: capabilities.NativeScalerClass = TorchBackend()
+    _collectives: capabilities.Collectives = TorchBackend()
+    _data_parallel: capabilities.DataParallelHooks = TorchBackend()

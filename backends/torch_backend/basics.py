@@ -1,4 +1,5 @@
-"""Framework basics: torch's dtypes and devices, as the core names them."""
+"""Framework basics: torch's dtypes, devices, tensors, modules and casts, as the core
+names them."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def default_dtype(device: str) -> str:
 
 
 class Basics(interface.Basics):
-    """Devices and dtypes."""
+    """Devices, dtypes, tensors, modules, casts."""
 
     def cuda_available(self) -> bool:
         return torch.cuda.is_available()
@@ -42,3 +43,18 @@ class Basics(interface.Basics):
         if isinstance(dtype, torch.dtype):
             return str(dtype).removeprefix("torch.")
         return None
+
+    def device_type(self, tensor: torch.Tensor) -> str:
+        return "cuda" if tensor.device.type == "cuda" else "cpu"
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, torch.nn.Module)
+
+    def named_modules(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
+        return list(model.named_modules())
+
+    def cast(self, tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+        return tensor.to(ALL_DTYPES[dtype])

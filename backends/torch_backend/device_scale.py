@@ -8,12 +8,12 @@ from typing import Any, Sequence
 
 import torch
 
-from unified_amp import interface
+from unified_amp import capabilities
 
 from .scaling import check_and_unscale
 
 
-class TorchDeviceScale(interface.DeviceScale):
+class TorchDeviceScale(capabilities.DeviceScale):
     """The scale and growth tracker as device tensors, updated by torch's own
     ``_amp_update_scale_`` as torch.amp does, so that a fused optimizer (which skips on
     ``found_inf`` inside its kernel) steps with no host sync at all.
@@ -150,7 +150,7 @@ class TorchDeviceScale(interface.DeviceScale):
                                     dtype=torch.float64), None)
 
 
-class DeviceResident(interface.DeviceResident):
+class DeviceResident(capabilities.DeviceResident):
     """Which optimizers step on the device, and the scale that lives there for them."""
 
     def steps_on_device(self, optimizer: Any) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from unified_amp import interface
+from unified_amp import capabilities
 
 # Whether this build has torch.distributed at all: a fact of the build.
 _DISTRIBUTED = dist.is_available()
@@ -25,7 +25,7 @@ def _dtensor_class() -> type:
     return _DTensor
 
 
-class Collectives(interface.Collectives, interface.DataParallelHooks):
+class Collectives(capabilities.Collectives, capabilities.DataParallelHooks):
     """Process groups, the flag's MAX all-reduce, and what DDP and FSDP expose."""
 
     def world_group(self) -> Any:

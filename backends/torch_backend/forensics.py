@@ -10,10 +10,10 @@ from typing import Any, Sequence
 
 import torch
 
-from unified_amp import interface
+from unified_amp import capabilities
 
 
-class ForensicsProbes(interface.ForensicsProbes):
+class ForensicsProbes(capabilities.ForensicsProbes):
     """What the core's forensics (unified_amp/forensics.py) reads from torch."""
 
     def finite_flag(self, tensor: torch.Tensor, per_row: bool = False) -> Any:
@@ -60,9 +60,6 @@ class ForensicsProbes(interface.ForensicsProbes):
                            for lo, hi in zip(lows, highs)])
             at += 2 * n
         return counts, loss_value, finite
-
-    def named_modules(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
-        return list(model.named_modules())
 
     def named_parameters(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
         return list(model.named_parameters())

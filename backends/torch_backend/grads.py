@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from unified_amp import interface
+from unified_amp import capabilities, interface
 
 
 class _Tape:
@@ -127,15 +127,12 @@ def _freed_below(node: Any, limit: int = 32) -> bool:
     return False
 
 
-class Gradients(interface.Gradients, interface.GradVersions,
-                interface.BackwardProbes):
+class Gradients(interface.Gradients, capabilities.GradVersions,
+                capabilities.BackwardProbes):
     """A tape per GradManager, the gradients of parameters, and torch's own clip."""
 
     def new_tape(self) -> _Tape:
         return _Tape()
-
-    def is_tensor(self, obj: Any) -> bool:
-        return isinstance(obj, torch.Tensor)
 
     def grads(self, params: Any) -> list[torch.Tensor]:
         return [p.grad for p in params if p.grad is not None]

@@ -10,27 +10,18 @@ from typing import Any, Sequence
 
 import torch
 
-from unified_amp import interface
+from unified_amp import capabilities
 
 from .basics import ALL_DTYPES, default_dtype
 
 _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm
 
 
-class OptLevelCasting(interface.OptLevelCasting):
+class OptLevelCasting(capabilities.OptLevelCasting):
     """Casting modules and tensors, master copies, and moving gradients between them."""
-
-    def is_module(self, obj: Any) -> bool:
-        return isinstance(obj, torch.nn.Module)
-
-    def device_type(self, tensor: torch.Tensor) -> str:
-        return "cuda" if tensor.device.type == "cuda" else "cpu"
 
     def default_low_dtype(self, device: str) -> str:
         return default_dtype(device)
-
-    def cast(self, tensor: torch.Tensor, dtype: str) -> torch.Tensor:
-        return tensor.to(ALL_DTYPES[dtype])
 
     def cast_module(self, module: torch.nn.Module, dtype: str,
                     keep_batchnorm_fp32: bool, skip: Sequence[Any] = ()) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Sequence, cast
 import torch
 from torch.amp.grad_scaler import OptState
 
-from unified_amp import interface
+from unified_amp import capabilities
 from unified_amp.scaler import GradScaler
 
 from .device_scale import TorchDeviceScale
@@ -25,7 +25,7 @@ _frame_evaluator: Any = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_cal
                                 None)
 
 
-class NativeScaler(interface.NativeScalerClass):
+class NativeScaler(capabilities.NativeScalerClass):
     """Which GradScaler subclass ``amp.GradScaler(...)`` makes on torch."""
 
     def scaler_class(self, device: str | None) -> type:

@@ -1,7 +1,12 @@
 """A tiny framework-free backend: tensors are lists of floats. It lets the core (registry,
-autocast, GradManager, GradScaler, forensics) be tested without torch or MegEngine, and
-counts the device-to-host syncs the core asks for: ``syncs`` for the scaler's flag reads,
-``forensic_reads`` and ``flags_made`` for the overflow forensics."""
+autocast, GradManager, GradScaler, forensics, opt levels) be tested without torch or
+MegEngine, and counts the device-to-host syncs the core asks for: ``syncs`` for the
+scaler's flag reads, ``forensic_reads`` and ``flags_made`` for the overflow forensics.
+
+``FakeBackend`` implements the required core (``unified_amp.interface.Backend``) and
+nothing more: the scaler, autocast and GradManager tests run on it, which proves that
+core enough for them. ``CapableFakeBackend`` adds the optional capabilities that opt
+levels and overflow forensics need (``unified_amp.capabilities``), for their tests."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import struct
 import threading
 from typing import TYPE_CHECKING
 
-from unified_amp import interface
+from unified_amp import capabilities, interface
 from unified_amp.errors import UnsupportedPrecisionError
 
 
@@ -235,24 +240,39 @@ class _Tape:
 
 
 class FakeBackend(interface.Backend):
+    """The required core, and nothing more."""
+
     name = "fake"
 
     def __init__(self):
         self.syncs = 0
-        self.forensic_reads = 0
-        self.flags_made = 0
         self.autocast_state = [(False, None)]  # (enabled, dtype), innermost last
         # (enabled, dtype, device, contract) -> a stand-in object amp.autocast(...) returns
         self.native_blocks = {}
         self.refuse = {"bfloat16"}
-        self.low_bn = True  # batch norm may hold low-precision weights
-        self.low_steps = True  # optimizers may step low-precision parameters
 
     def cuda_available(self):
         return False
 
     def dtype_name(self, dtype):
         return dtype if dtype in ("float16", "bfloat16", "float32") else None
+
+    def device_type(self, tensor):
+        return "cpu"
+
+    def is_tensor(self, obj):
+        return isinstance(obj, FakeTensor)
+
+    def is_module(self, obj):
+        return isinstance(obj, (FakeModule, NamedModule))
+
+    def named_modules(self, model):
+        return list(model.named_modules())
+
+    def cast(self, tensor, dtype):
+        if tensor.dtype == dtype:
+            return tensor
+        return FakeTensor(round_to(tensor.values, dtype), dtype, deps=tensor.deps)
 
     def check_precision(self, dtype, device):
         if dtype in self.refuse:
@@ -272,11 +292,12 @@ class FakeBackend(interface.Backend):
     def is_autocast_enabled(self):
         return self.autocast_state[-1][0]
 
+    def autocast_low_dtype(self, device):
+        enabled, dtype = self.autocast_state[-1]
+        return (dtype or "float16") if enabled else None
+
     def new_tape(self):
         return _Tape()
-
-    def is_tensor(self, obj):
-        return isinstance(obj, FakeTensor)
 
     def grads(self, params):
         return [p.grad for p in params if p.grad is not None]
@@ -292,7 +313,6 @@ class FakeBackend(interface.Backend):
         for g in grads:
             g.values = [v * coef for v in g.values]
         return norm
-
 
     def scale(self, y, scale):
         return FakeTensor([v * scale for v in y.values], y.dtype,
@@ -316,46 +336,20 @@ class FakeBackend(interface.Backend):
         self.syncs += 1
         return flag["found"]
 
-    # -- overflow forensics ----------------------------------------------------------
-    def finite_flag(self, tensor, per_row=False):
-        self.flags_made += 1
-        if per_row:  # a FakeTensor is one row per value
-            return [math.isfinite(v) for v in tensor.values]
-        return [all(math.isfinite(v) for v in tensor.values)]
 
-    def read_overflow(self, grads, loss, flags):
-        self.forensic_reads += 1
-        counts = [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
-                  for t in grads]
-        return counts, None if loss is None else float(loss.item()), [list(f) for f in flags]
+class CapableFakeBackend(FakeBackend, capabilities.OptLevelCasting,
+                         capabilities.ForensicsProbes):
+    """The fake with the optional capabilities of opt levels and overflow forensics."""
 
-    def named_modules(self, model):
-        return list(model.named_modules())
-
-    def named_parameters(self, model):
-        return list(model.named_parameters())
-
-    def add_forward_hook(self, module, hook, pre=False):
-        return module._hook(module._forward_pre_hooks if pre else module._forward_hooks, hook)
-
-    # -- opt levels ---------------------------------------------------------------------
-    def is_module(self, obj):
-        return isinstance(obj, (FakeModule, NamedModule))
-
-    def device_type(self, tensor):
-        return "cpu"
+    def __init__(self):
+        super().__init__()
+        self.forensic_reads = 0
+        self.flags_made = 0
+        self.low_bn = True  # batch norm may hold low-precision weights
+        self.low_steps = True  # optimizers may step low-precision parameters
 
     def default_low_dtype(self, device):
         return "float16"
-
-    def cast(self, tensor, dtype):
-        if tensor.dtype == dtype:
-            return tensor
-        return FakeTensor(round_to(tensor.values, dtype), dtype, deps=tensor.deps)
-
-    def autocast_low_dtype(self, device):
-        enabled, dtype = self.autocast_state[-1]
-        return (dtype or "float16") if enabled else None
 
     def cast_module(self, module, dtype, keep_batchnorm_fp32, skip=()):
         skipped = set()
@@ -408,6 +402,25 @@ class FakeBackend(interface.Backend):
     def skipped_step_result(self, optimizer):
         return None
 
+    # -- overflow forensics ----------------------------------------------------------
+    def finite_flag(self, tensor, per_row=False):
+        self.flags_made += 1
+        if per_row:  # a FakeTensor is one row per value
+            return [math.isfinite(v) for v in tensor.values]
+        return [all(math.isfinite(v) for v in tensor.values)]
+
+    def read_overflow(self, grads, loss, flags):
+        self.forensic_reads += 1
+        counts = [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
+                  for t in grads]
+        return counts, None if loss is None else float(loss.item()), [list(f) for f in flags]
+
+    def named_parameters(self, model):
+        return list(model.named_parameters())
+
+    def add_forward_hook(self, module, hook, pre=False):
+        return module._hook(module._forward_pre_hooks if pre else module._forward_hooks, hook)
+
 
 class FakeGroup:
     """A process group for ranks simulated by threads: an all-reduce is a barrier
@@ -440,8 +453,8 @@ class _FakeWork:
         self.waited = True
 
 
-class DistributedFakeBackend(FakeBackend, interface.Collectives,
-                             interface.DataParallelHooks):
+class DistributedFakeBackend(CapableFakeBackend, capabilities.Collectives,
+                             capabilities.DataParallelHooks):
     """The fake backend with the distributed primitives, for ranks run as threads.
 
     A tensor's ``kind`` attribute says what grad_kind() reports ("local", "sharded",
@@ -508,6 +521,8 @@ class DistributedFakeBackend(FakeBackend, interface.Collectives,
 
 if TYPE_CHECKING:  # mypy holds the fake to the same interface as the adapters
     _backend: interface.Backend = FakeBackend()
+    _opt_levels: capabilities.OptLevelCasting = CapableFakeBackend()
+    _forensics: capabilities.ForensicsProbes = CapableFakeBackend()
     _distributed: interface.Backend = DistributedFakeBackend()
-    _collectives: interface.Collectives = DistributedFakeBackend()
-    _data_parallel: interface.DataParallelHooks = DistributedFakeBackend()
+    _collectives: capabilities.Collectives = DistributedFakeBackend()
+    _data_parallel: capabilities.DataParallelHooks = DistributedFakeBackend()

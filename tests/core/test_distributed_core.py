@@ -328,7 +328,7 @@ def test_shardedgradscaler_call_form(backend, group):
     reverse); passed positionally they fail loudly here instead of swapping silently."""
     scaler = amp.GradScaler("cpu", init_scale=2.0**8, backoff_factor=0.25,
                             growth_factor=4.0, growth_interval=100, process_group=group)
-    assert scaler.get_scale() == 2.0**8 and scaler._m.group is group
+    assert scaler.get_scale() == 2.0**8 and scaler._machine.process_group is group
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (4.0, 0.25)
     with pytest.raises(ValueError, match="growth_factor must be > 1.0"):
         amp.GradScaler("cpu", 2.0**8, 0.5, 2.0, 100, True, group)  # ShardedGradScaler's order

@@ -1,4 +1,4 @@
-"""Overflow forensics on the fake backend: what a report says, when it is made (only
+"""Overflow forensics on the fake backend with the forensics probes: what a report says, when it is made (only
 after an overflow), the once-per-run warning, and forward tracing's hooks."""
 
 import gc
@@ -47,15 +47,15 @@ def step(scaler, params, opt, grads, *, form="torch", value=1.5, forward=None):
 
 
 @pytest.fixture
-def net(fake):
-    model = model_of(fake, encoder=1.0, head=2.0)
+def net(capable_fake):
+    model = model_of(capable_fake, encoder=1.0, head=2.0)
     params = model.parameters()  # encoder.weight, head.weight
     return model, params, FakeOptimizer(params)
 
 
 # -- what a report says --------------------------------------------------------------------
 @pytest.mark.parametrize("form", ["torch", "megengine"])
-def test_report_names_the_nonfinite_gradients_of_a_watched_model(fake, net, form):
+def test_report_names_the_nonfinite_gradients_of_a_watched_model(capable_fake, net, form):
     model, params, opt = net
     scaler = amp.GradScaler(init_scale=8.0).watch(model)
     step(scaler, params, opt, [[1.0], [1.0]], form=form)
@@ -77,7 +77,7 @@ def test_report_names_the_nonfinite_gradients_of_a_watched_model(fake, net, form
     json.dumps(report.as_dict())  # plain data
 
 
-def test_unwatched_gradients_are_named_by_position_and_kinds_are_counted(fake, net):
+def test_unwatched_gradients_are_named_by_position_and_kinds_are_counted(capable_fake, net):
     _, params, opt = net
     scaler = amp.GradScaler()
     step(scaler, params, opt, [[NAN], [INF]], value=NAN)
@@ -90,8 +90,8 @@ def test_unwatched_gradients_are_named_by_position_and_kinds_are_counted(fake, n
         " forward pass made it; amp.trace_forward(model) finds the layer")
 
 
-def test_names_sort_naturally_and_long_lists_are_cut(fake):
-    model = model_of(fake, **{f"layer{i}": 1.0 for i in (10, 9, 2, 1, 0, 3)})
+def test_names_sort_naturally_and_long_lists_are_cut(capable_fake):
+    model = model_of(capable_fake, **{f"layer{i}": 1.0 for i in (10, 9, 2, 1, 0, 3)})
     params = model.parameters()
     scaler = amp.GradScaler().watch(model)
     step(scaler, params, FakeOptimizer(params), [[INF]] * len(params))
@@ -102,7 +102,7 @@ def test_names_sort_naturally_and_long_lists_are_cut(fake):
     assert "layer9.weight (1 inf of 1) and 1 more;" in report.line()
 
 
-def test_a_loss_the_scaler_never_saw_is_reported_as_unknown(fake, net):
+def test_a_loss_the_scaler_never_saw_is_reported_as_unknown(capable_fake, net):
     model, params, opt = net
     scaler = amp.GradScaler().watch(model)
     gm = amp.GradManager(params)
@@ -117,7 +117,7 @@ def test_a_loss_the_scaler_never_saw_is_reported_as_unknown(fake, net):
         " finds the layer")
 
 
-def test_history_keeps_the_newest_reports(fake, net):
+def test_history_keeps_the_newest_reports(capable_fake, net):
     model, params, opt = net
     scaler = amp.GradScaler().watch(model, history=2)
     for _ in range(5):
@@ -130,39 +130,39 @@ def test_history_keeps_the_newest_reports(fake, net):
 
 
 @pytest.mark.parametrize("form", ["torch", "megengine"])
-def test_a_clean_step_calls_the_adapter_exactly_as_without_forensics(fake, monkeypatch,
+def test_a_clean_step_calls_the_adapter_exactly_as_without_forensics(capable_fake, monkeypatch,
                                                                      form):
     logs = []
     for watched in (False, True):
-        model = model_of(fake, encoder=1.0, head=2.0)
+        model = model_of(capable_fake, encoder=1.0, head=2.0)
         params = model.parameters()
         scaler = amp.GradScaler(init_scale=8.0)
         if watched:
             scaler.watch(model)
-        log = record_calls(monkeypatch, fake)
-        fake.syncs = 0
+        log = record_calls(monkeypatch, capable_fake)
+        capable_fake.syncs = 0
         for _ in range(4):
             step(scaler, params, FakeOptimizer(params), [[1.0], [2.0]], form=form)
         logs.append(list(log))
         monkeypatch.undo()
-        assert fake.syncs == 4 and fake.forensic_reads == 0
+        assert capable_fake.syncs == 4 and capable_fake.forensic_reads == 0
     assert logs[0] == logs[1]
 
 
-def test_an_overflow_step_adds_one_read_of_the_gradients(fake, net):
+def test_an_overflow_step_adds_one_read_of_the_gradients(capable_fake, net):
     model, params, opt = net
     scaler = amp.GradScaler().watch(model)
     step(scaler, params, opt, [[INF], [1.0]])
-    assert (fake.syncs, fake.forensic_reads, fake.flags_made) == (1, 1, 0)
+    assert (capable_fake.syncs, capable_fake.forensic_reads, capable_fake.flags_made) == (1, 1, 0)
 
 
-def test_a_failing_report_warns_and_the_step_is_still_skipped(fake, net, monkeypatch):
+def test_a_failing_report_warns_and_the_step_is_still_skipped(capable_fake, net, monkeypatch):
     model, params, opt = net
 
     def broken(grads, loss, flags):
         raise RuntimeError("adapter bug")
 
-    monkeypatch.setattr(fake, "read_overflow", broken)
+    monkeypatch.setattr(capable_fake, "read_overflow", broken)
     scaler = amp.GradScaler().watch(model)
     with pytest.warns(RuntimeWarning, match="overflow report failed.*adapter bug"):
         step(scaler, params, opt, [[INF], [1.0]])
@@ -174,7 +174,7 @@ def overflow_warnings(record):
     return [w for w in record if issubclass(w.category, amp.OverflowWarning)]
 
 
-def test_a_run_of_skips_warns_exactly_once_per_run(fake, net):
+def test_a_run_of_skips_warns_exactly_once_per_run(capable_fake, net):
     model, params, opt = net
     scaler = amp.GradScaler(init_scale=2.0**16).watch(model, warn_after=3)
     with warnings.catch_warnings(record=True) as record:
@@ -193,7 +193,7 @@ def test_a_run_of_skips_warns_exactly_once_per_run(fake, net):
     assert caught[0].filename == __file__  # attributed to the training loop's line
 
 
-def test_a_scale_that_collapses_below_the_floor_warns_once(fake, net):
+def test_a_scale_that_collapses_below_the_floor_warns_once(capable_fake, net):
     model, params, opt = net
     scaler = amp.GradScaler(init_scale=4.0).watch(model, warn_after=1000, warn_below=1.0)
     with warnings.catch_warnings(record=True) as record:
@@ -208,7 +208,7 @@ def test_a_scale_that_collapses_below_the_floor_warns_once(fake, net):
     assert "loss scale now 0.5, below warn_below=1" in str(caught.message)
 
 
-def test_one_skip_below_the_floor_is_no_collapse(fake, net):
+def test_one_skip_below_the_floor_is_no_collapse(capable_fake, net):
     model, params, opt = net
     scaler = amp.GradScaler(init_scale=0.5).watch(model)
     with warnings.catch_warnings(record=True) as record:
@@ -218,7 +218,7 @@ def test_one_skip_below_the_floor_is_no_collapse(fake, net):
     assert overflow_warnings(record) == []
 
 
-def test_watch_rejects_bad_arguments_with_the_fix(fake, net):
+def test_watch_rejects_bad_arguments_with_the_fix(capable_fake, net):
     model, params, _ = net
     scaler = amp.GradScaler()
     with pytest.raises(TypeError, match="expects a fake module.*got list. Pass the model"
@@ -235,7 +235,7 @@ def test_watch_rejects_bad_arguments_with_the_fix(fake, net):
         amp.trace_forward(params)
 
 
-def test_a_pickled_scaler_keeps_no_model_and_still_reports(fake, net):
+def test_a_pickled_scaler_keeps_no_model_and_still_reports(capable_fake, net):
     model, params, opt = net
     scaler = amp.GradScaler().watch(model)
     step(scaler, params, opt, [[INF], [1.0]])
@@ -258,10 +258,10 @@ def hook_count(model):
     ("float32 inf", [1.0, 1e305], None, ("big", "float32"), (), "forward-float32"),
     ("all finite", [1.0, 2.0], None, None, (), "backward"),
 ])
-def test_tracing_names_the_first_nonfinite_module(fake, case, inputs, precision, first,
+def test_tracing_names_the_first_nonfinite_module(capable_fake, case, inputs, precision, first,
                                                    samples, cause):
-    fake.refuse = set()  # the fake computes bfloat16 too
-    model = model_of(fake, small=1.0, big=1e5, last=1.0)
+    capable_fake.refuse = set()  # the capable_fake computes bfloat16 too
+    model = model_of(capable_fake, small=1.0, big=1e5, last=1.0)
     params = model.parameters()
     scaler = amp.GradScaler()
 
@@ -282,11 +282,11 @@ def test_tracing_names_the_first_nonfinite_module(fake, case, inputs, precision,
     # Traced models name the gradients too, without watch().
     assert [g.name for g in report.gradients] == ["big.weight"]
     # the verdict, then one read for the counts, the loss and the trace's flags together
-    assert (fake.syncs, fake.forensic_reads) == (1, 1)
+    assert (capable_fake.syncs, capable_fake.forensic_reads) == (1, 1)
 
 
-def test_the_line_says_what_to_do_about_a_float16_overflow(fake):
-    model = model_of(fake, small=1.0, big=1e5)
+def test_the_line_says_what_to_do_about_a_float16_overflow(capable_fake):
+    model = model_of(capable_fake, small=1.0, big=1e5)
     params = model.parameters()
     scaler = amp.GradScaler(init_scale=4.0)
 
@@ -305,12 +305,12 @@ def test_the_line_says_what_to_do_about_a_float16_overflow(fake):
         " bfloat16")
 
 
-def test_the_fix_names_the_module_from_the_watched_model(fake):
+def test_the_fix_names_the_module_from_the_watched_model(capable_fake):
     """Traced at a submodule, watched as a whole: the pin is spelled from the watched
     model, the way the user holds it; Sequential-style indices become subscripts."""
-    encoder = NamedModule(**{"0": NamedModule(scale=1.0, backend=fake),
-                             "layer3": NamedModule(scale=1e5, backend=fake)})
-    model = NamedModule(encoder=encoder, head=NamedModule(scale=1.0, backend=fake))
+    encoder = NamedModule(**{"0": NamedModule(scale=1.0, backend=capable_fake),
+                             "layer3": NamedModule(scale=1e5, backend=capable_fake)})
+    model = NamedModule(encoder=encoder, head=NamedModule(scale=1.0, backend=capable_fake))
     params = model.parameters()
 
     def forward():
@@ -334,12 +334,12 @@ def test_the_fix_names_the_module_from_the_watched_model(fake):
     assert pin_expression("blocks.a-b") == "model.blocks['a-b']"
 
 
-def test_tracing_reads_nothing_on_a_clean_step_and_forgets_at_update(fake):
+def test_tracing_reads_nothing_on_a_clean_step_and_forgets_at_update(capable_fake):
     # A trace's flags are dropped once every live scaler has passed them: collect the
     # earlier tests' scalers that wait in reference cycles (apex's, through patched
     # models), so that this test's scaler is the only one.
     gc.collect()
-    model = model_of(fake, small=1.0, big=2.0)
+    model = model_of(capable_fake, small=1.0, big=2.0)
     params = model.parameters()
     scaler = amp.GradScaler()
     with amp.trace_forward(model) as trace:
@@ -347,12 +347,12 @@ def test_tracing_reads_nothing_on_a_clean_step_and_forgets_at_update(fake):
             step(scaler, params, FakeOptimizer(params), [[1.0], [1.0]],
                  forward=lambda: model(FakeTensor([1.0, 2.0])))
             assert trace._records == []  # update() dropped this step's flags
-    assert fake.flags_made == 3 * 4  # input + 3 module outputs, each step
-    assert fake.forensic_reads == 0 and fake.syncs == 3
+    assert capable_fake.flags_made == 3 * 4  # input + 3 module outputs, each step
+    assert capable_fake.forensic_reads == 0 and capable_fake.syncs == 3
 
 
-def test_a_trace_stands_alone_without_a_scaler(fake):
-    model = model_of(fake, small=1.0, big=1e5)
+def test_a_trace_stands_alone_without_a_scaler(capable_fake):
+    model = model_of(capable_fake, small=1.0, big=1e5)
     with amp.trace_forward(model) as trace:
         with amp.autocast(dtype="float16"):
             model(FakeTensor([1.0]))

@@ -1,4 +1,4 @@
-"""apex's API (amp.initialize, amp.scale_loss) on the fake backend: the opt-level
+"""apex's API (amp.initialize, amp.scale_loss) on the fake backend with the opt-level capability: the opt-level
 presets and their validation, one loss scale per loss_id, skipping, gradient stashing
 between losses, delay_unscale, master weights and the state dicts."""
 
@@ -13,14 +13,14 @@ from unified_amp import opt_levels
 from .fake_backend import FakeModule, FakeOptimizer, FakeTensor
 
 
-def make(fake, values=((0.5, -1.0), (0.25, 2.0)), bn=None):
+def make(capable_fake, values=((0.5, -1.0), (0.25, 2.0)), bn=None):
     """A model of one or two parameter vectors (the second maybe a batch norm layer),
     its SGD optimizer and a GradManager over it."""
     params = [FakeTensor(v) for v in values]
     children = []
     if bn is not None:
-        children = [FakeModule([FakeTensor(bn)], batch_norm=True, backend=fake)]
-    model = FakeModule(params, children, backend=fake)
+        children = [FakeModule([FakeTensor(bn)], batch_norm=True, backend=capable_fake)]
+    model = FakeModule(params, children, backend=capable_fake)
     opt = FakeOptimizer(list(model.parameters()))
     return model, opt
 
@@ -45,8 +45,8 @@ EXPECTED = {  # cast_model_type, autocast, keep_batchnorm_fp32, master_weights, 
 
 
 @pytest.mark.parametrize("level", sorted(EXPECTED))
-def test_presets(fake, level):
-    model, opt = make(fake)
+def test_presets(capable_fake, level):
+    model, opt = make(capable_fake)
     amp.initialize(model, opt, opt_level=level)
     p = amp.opt_properties()
     assert (p.cast_model_type, p.autocast, p.keep_batchnorm_fp32, p.master_weights,
@@ -60,8 +60,8 @@ def test_presets(fake, level):
     ("O2", "float16", True, "float32"),
     ("O3", "float16", False, "float16"),
 ])
-def test_what_initialize_does_to_the_model_and_optimizer(fake, level, weights, masters, bn):
-    model, opt = make(fake, bn=(1.0, 1.0))
+def test_what_initialize_does_to_the_model_and_optimizer(capable_fake, level, weights, masters, bn):
+    model, opt = make(capable_fake, bn=(1.0, 1.0))
     w, bn_w = list(model.parameters())[0], list(model.parameters())[-1]
     assert amp.initialize(model, opt, opt_level=level) == (model, opt)
     assert (w.dtype, bn_w.dtype) == (weights, bn)
@@ -75,14 +75,14 @@ def test_what_initialize_does_to_the_model_and_optimizer(fake, level, weights, m
                               "O3": ("float16", None)}[level]
 
 
-def test_returns_the_shapes_it_was_given(fake):
-    (m1, o1), (m2, o2) = make(fake), make(fake)
+def test_returns_the_shapes_it_was_given(capable_fake):
+    (m1, o1), (m2, o2) = make(capable_fake), make(capable_fake)
     assert amp.initialize(m1, o1) == (m1, o1)
-    (m1, o1), (m2, o2) = make(fake), make(fake)
+    (m1, o1), (m2, o2) = make(capable_fake), make(capable_fake)
     assert amp.initialize([m1, m2], [o1, o2]) == ([m1, m2], [o1, o2])
-    (m1, o1), (m2, o2) = make(fake), make(fake)
+    (m1, o1), (m2, o2) = make(capable_fake), make(capable_fake)
     assert amp.initialize((m1, m2), o1) == ((m1, m2), o1)
-    m1, _ = make(fake)
+    m1, _ = make(capable_fake)
     assert amp.initialize(m1, opt_level="O2") is m1  # inference: no optimizer, no masters
     assert list(m1.parameters())[0].dtype == "float16"
 
@@ -116,76 +116,76 @@ BAD = [
 
 @pytest.mark.parametrize("kwargs,error,message", BAD,
                          ids=[str(sorted(k.items())) for k, _, _ in BAD])
-def test_impossible_combinations_are_refused_with_the_fix(fake, kwargs, error, message):
-    model, opt = make(fake)
+def test_impossible_combinations_are_refused_with_the_fix(capable_fake, kwargs, error, message):
+    model, opt = make(capable_fake)
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         amp.initialize(model, opt, **kwargs)
     assert list(model.parameters())[0].dtype == "float32"  # nothing was changed
 
 
-def test_apex_spellings_are_accepted(fake):
-    model, opt = make(fake)
+def test_apex_spellings_are_accepted(capable_fake):
+    model, opt = make(capable_fake)
     amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32="False",
                    loss_scale="128.0", verbosity=0)
     p = amp.opt_properties()
     assert p.keep_batchnorm_fp32 is False and p.loss_scale == 128.0
-    model, opt = make(fake)
+    model, opt = make(capable_fake)
     amp.initialize(model, opt, opt_level="O3", loss_scale="dynamic", master_weights=True)
     assert amp.opt_properties().master_weights
 
 
-def test_bad_models_and_optimizers(fake):
-    model, opt = make(fake)
+def test_bad_models_and_optimizers(capable_fake):
+    model, opt = make(capable_fake)
     with pytest.raises(TypeError, match="a fake module or a list of them; got str"):
         amp.initialize("model", opt)
     with pytest.raises(TypeError, match="an optimizer or a list of them; got int"):
         amp.initialize(model, [opt, 3])
     half = FakeTensor([1.0], "float16")
     with pytest.raises(ValueError, match="expects float32 models; got a float16"):
-        amp.initialize(FakeModule([half], backend=fake), opt)
+        amp.initialize(FakeModule([half], backend=capable_fake), opt)
     amp.initialize(model, opt)
     with pytest.raises(RuntimeError, match="went through amp.initialize"):
         amp.initialize(model, FakeOptimizer(list(model.parameters())))
-    model2, _ = make(fake)
+    model2, _ = make(capable_fake)
     with pytest.raises(RuntimeError, match="optimizer .* went through amp.initialize"):
         amp.initialize(model2, opt)
 
 
-def test_a_precision_the_backend_cannot_compute_fails_at_initialize(fake):
-    model, opt = make(fake)
+def test_a_precision_the_backend_cannot_compute_fails_at_initialize(capable_fake):
+    model, opt = make(capable_fake)
     with pytest.raises(amp.UnsupportedPrecisionError):
         amp.initialize(model, opt, opt_level="O1", low_dtype="bfloat16")
-    fake.refuse = set()
+    capable_fake.refuse = set()
     amp.initialize(model, opt, opt_level="O2", low_dtype="bfloat16")
     assert list(model.parameters())[0].dtype == "bfloat16"
 
 
-def test_backend_limits_batch_norm_and_low_precision_steps(fake):
+def test_backend_limits_batch_norm_and_low_precision_steps(capable_fake):
     """MegEngine's case: batch norm cannot hold float16 weights, its optimizers cannot
     step float16 parameters. O3 then keeps batch norm float32 and steps masters; an
     explicit request for either is refused."""
-    fake.low_bn = fake.low_steps = False
-    model, opt = make(fake, bn=(1.0, 1.0))
+    capable_fake.low_bn = capable_fake.low_steps = False
+    model, opt = make(capable_fake, bn=(1.0, 1.0))
     amp.initialize(model, opt, opt_level="O3")
     p = amp.opt_properties()
     assert p.keep_batchnorm_fp32 is True and p.master_weights is True
     assert list(model.parameters())[-1].dtype == "float32"
     assert all(m.dtype == "float32" for m in amp.master_params(opt))
     for kwargs in (dict(keep_batchnorm_fp32=False), dict(master_weights=False)):
-        model, opt = make(fake)
+        model, opt = make(capable_fake)
         with pytest.raises(amp.UnsupportedPrecisionError, match="Leave .* at None"):
             amp.initialize(model, opt, opt_level="O3", **kwargs)
-    model, _ = make(fake)
+    model, _ = make(capable_fake)
     amp.initialize(model, opt_level="O3")  # inference needs no masters
     assert amp.opt_properties().master_weights is False
 
 
 # -- scale_loss --------------------------------------------------------------------------
-def test_scale_loss_before_initialize_and_with_foreign_optimizers(fake):
+def test_scale_loss_before_initialize_and_with_foreign_optimizers(capable_fake):
     # Earlier tests' models and optimizers are garbage in reference cycles (through
     # their patched methods); once collected, no initialize() is alive.
     gc.collect()
-    model, opt = make(fake)
+    model, opt = make(capable_fake)
     with pytest.raises(RuntimeError, match="before amp.initialize"):
         with amp.scale_loss(FakeTensor([1.0]), opt):
             pass
@@ -196,20 +196,20 @@ def test_scale_loss_before_initialize_and_with_foreign_optimizers(fake):
     with pytest.raises(ValueError, match=r"loss_id=1 is out of range.*num_losses=1"):
         with amp.scale_loss(FakeTensor([1.0]), opt, loss_id=1):
             pass
-    model2, opt2 = make(fake)
+    model2, opt2 = make(capable_fake)
     amp.initialize(model2, opt2)
     with pytest.raises(RuntimeError, match="prepared by 2 different amp.initialize"):
         with amp.scale_loss(FakeTensor([1.0]), [opt, opt2]):
             pass
 
 
-def test_separately_initialized_models_keep_their_own_loss_scales(fake):
+def test_separately_initialized_models_keep_their_own_loss_scales(capable_fake):
     """Two initialize() calls (two opt levels, say) train side by side; amp.state_dict()
     and amp.loss_scaler() speak for the latest."""
-    a, opt_a = make(fake, values=[(0.5, -1.0)])
+    a, opt_a = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(a, opt_a, opt_level="O1")
     scaler_a = amp.loss_scaler()
-    b, opt_b = make(fake, values=[(0.5, -1.0)])
+    b, opt_b = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(b, opt_b, opt_level="O2")
     step(a, opt_a, x=(math.inf, 1.0))
     step(b, opt_b, x=(0.25, 0.5))
@@ -218,8 +218,8 @@ def test_separately_initialized_models_keep_their_own_loss_scales(fake):
     assert (opt_a.steps, opt_b.steps) == (0, 1)
 
 
-def test_the_scaled_loss_and_true_scale_gradients(fake):
-    model, opt = make(fake, values=[(0.5, -1.0)])
+def test_the_scaled_loss_and_true_scale_gradients(capable_fake):
+    model, opt = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(model, opt, opt_level="O1")
     gm = amp.GradManager(list(model.parameters()))
     with gm:
@@ -231,11 +231,11 @@ def test_the_scaled_loss_and_true_scale_gradients(fake):
     assert opt.step() == "stepped"
 
 
-def test_an_overflow_in_one_loss_backs_off_and_skips_only_that_loss(fake):
+def test_an_overflow_in_one_loss_backs_off_and_skips_only_that_loss(capable_fake):
     """The GAN case: D's overflow halves D's scale and skips D's step; G's scale and
     step carry on."""
-    d, opt_d = make(fake, values=[(0.5, -1.0)])
-    g, opt_g = make(fake, values=[(1.5, 0.5)])
+    d, opt_d = make(capable_fake, values=[(0.5, -1.0)])
+    g, opt_g = make(capable_fake, values=[(1.5, 0.5)])
     amp.initialize([d, g], [opt_d, opt_g], opt_level="O1", num_losses=2)
     for it in range(3):
         overflow = it == 1
@@ -251,8 +251,8 @@ def test_an_overflow_in_one_loss_backs_off_and_skips_only_that_loss(fake):
     assert (opt_d.steps, opt_g.steps) == (2, 3)  # the skipped step never reached SGD
 
 
-def test_one_host_sync_per_scale_loss_however_many_optimizers(fake):
-    (a, opt_a), (b, opt_b) = make(fake), make(fake)
+def test_one_host_sync_per_scale_loss_however_many_optimizers(capable_fake):
+    (a, opt_a), (b, opt_b) = make(capable_fake), make(capable_fake)
     amp.initialize([a, b], [opt_a, opt_b])
     gm = amp.GradManager(list(a.parameters()) + list(b.parameters()))
     with gm:
@@ -260,13 +260,13 @@ def test_one_host_sync_per_scale_loss_however_many_optimizers(fake):
                           + b(FakeTensor([1.0, 1.0])).deps)
         with amp.scale_loss(loss, [opt_a, opt_b]) as scaled:
             gm.backward(scaled)
-    assert fake.syncs == 1
+    assert capable_fake.syncs == 1
 
 
-def test_two_losses_into_one_optimizer_add_at_true_scale(fake):
+def test_two_losses_into_one_optimizer_add_at_true_scale(capable_fake):
     """apex's 'two losses, one optimizer' pattern: each loss is unscaled by its own scale,
     so the gradients add up right even though the scales differ."""
-    model, opt = make(fake, values=[(0.5, -1.0)])
+    model, opt = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(model, opt, num_losses=2, loss_scale="dynamic")
     amp.loss_scaler(1).scale_factor = 8.0
     gm = amp.GradManager(list(model.parameters()))
@@ -278,8 +278,8 @@ def test_two_losses_into_one_optimizer_add_at_true_scale(fake):
     assert list(model.parameters())[0].grad.values == [11.0, 22.0]
 
 
-def test_delay_unscale_accumulates_and_unscales_once(fake):
-    model, opt = make(fake, values=[(0.5, -1.0)])
+def test_delay_unscale_accumulates_and_unscales_once(capable_fake):
+    model, opt = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(model, opt, num_losses=2)
     gm = amp.GradManager(list(model.parameters()))
     w = list(model.parameters())[0]
@@ -299,8 +299,8 @@ def test_delay_unscale_accumulates_and_unscales_once(fake):
     assert amp.loss_scaler(0).stats()["steps"] == 1  # one unscale, one update
 
 
-def test_an_exception_in_the_block_puts_the_gradients_back(fake):
-    model, opt = make(fake, values=[(0.5, -1.0)])
+def test_an_exception_in_the_block_puts_the_gradients_back(capable_fake):
+    model, opt = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(model, opt)
     w = list(model.parameters())[0]
     w.grad = FakeTensor([1.0, 1.0])
@@ -310,13 +310,13 @@ def test_an_exception_in_the_block_puts_the_gradients_back(fake):
     assert w.grad.values == [1.0, 1.0]
 
 
-def test_min_max_and_fixed_loss_scales(fake):
-    model, opt = make(fake, values=[(0.5, -1.0)])
+def test_min_max_and_fixed_loss_scales(capable_fake):
+    model, opt = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(model, opt, min_loss_scale=2.0**15, max_loss_scale=2.0**15)
     assert amp.loss_scaler().get_scale() == 2.0**15  # apex starts at min(2**16, max)
     step(model, opt, x=(math.inf, 1.0))
     assert amp.loss_scaler().get_scale() == 2.0**15  # the floor holds
-    model, opt = make(fake, values=[(0.5, -1.0)])
+    model, opt = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(model, opt, loss_scale=128.0)
     for x in ((math.inf, 1.0), (1.0, 1.0)):
         step(model, opt, x=x)
@@ -324,8 +324,8 @@ def test_min_max_and_fixed_loss_scales(fake):
     assert amp.loss_scaler().stats()["skipped_steps"] == 1
 
 
-def test_growth_is_capped_by_max_loss_scale(fake):
-    model, opt = make(fake, values=[(0.5, -1.0)])
+def test_growth_is_capped_by_max_loss_scale(capable_fake):
+    model, opt = make(capable_fake, values=[(0.5, -1.0)])
     amp.initialize(model, opt, max_loss_scale=2.0**16)
     amp.loss_scaler().set_growth_interval(1)
     step(model, opt)
@@ -334,8 +334,8 @@ def test_growth_is_capped_by_max_loss_scale(fake):
 
 
 # -- master weights ----------------------------------------------------------------------
-def test_o2_steps_the_masters_and_copies_them_back(fake):
-    model, opt = make(fake, values=[(0.1, -0.3)])
+def test_o2_steps_the_masters_and_copies_them_back(capable_fake):
+    model, opt = make(capable_fake, values=[(0.1, -0.3)])
     w = list(model.parameters())[0]
     amp.initialize(model, opt, opt_level="O2")
     (master,) = amp.master_params(opt)
@@ -347,8 +347,8 @@ def test_o2_steps_the_masters_and_copies_them_back(fake):
     assert master.grad is None and w.grad is None  # master grads live until the step
 
 
-def test_o2_overflow_in_float16_gradients_skips_with_everything_bit_identical(fake):
-    model, opt = make(fake, values=[(0.1, -0.3)])
+def test_o2_overflow_in_float16_gradients_skips_with_everything_bit_identical(capable_fake):
+    model, opt = make(capable_fake, values=[(0.1, -0.3)])
     w = list(model.parameters())[0]
     amp.initialize(model, opt, opt_level="O2")
     (master,) = amp.master_params(opt)
@@ -362,15 +362,15 @@ def test_o2_overflow_in_float16_gradients_skips_with_everything_bit_identical(fa
     assert master.values != before[1] and opt.steps == 1
 
 
-def test_o2_checkpoint_carries_the_masters(fake):
-    model, opt = make(fake, values=[(0.1, -0.3)])
+def test_o2_checkpoint_carries_the_masters(capable_fake):
+    model, opt = make(capable_fake, values=[(0.1, -0.3)])
     amp.initialize(model, opt, opt_level="O2")
     step(model, opt, x=(0.3, 0.7))
     saved_opt, saved_amp = opt.state_dict(), amp.state_dict()
     (master,) = amp.master_params(opt)
     assert saved_opt[opt_levels._patch.MASTER_KEY][0].values == master.values
 
-    model2, opt2 = make(fake, values=[(5.0, 5.0)])
+    model2, opt2 = make(capable_fake, values=[(5.0, 5.0)])
     amp.initialize(model2, opt2, opt_level="O2")
     opt2.load_state_dict(saved_opt)
     amp.load_state_dict(saved_amp)
@@ -383,8 +383,8 @@ def test_o2_checkpoint_carries_the_masters(fake):
             opt_levels._patch.MASTER_KEY: [master, master]}))
 
 
-def test_o2_checkpoint_without_masters_starts_them_from_the_model(fake):
-    model, opt = make(fake, values=[(0.1, -0.3)])
+def test_o2_checkpoint_without_masters_starts_them_from_the_model(capable_fake):
+    model, opt = make(capable_fake, values=[(0.1, -0.3)])
     amp.initialize(model, opt, opt_level="O2")
     list(model.parameters())[0].values = [0.5, 0.25]  # as model.load_state_dict would
     opt.load_state_dict({"state": {}, "lr": 0.1})
@@ -392,8 +392,8 @@ def test_o2_checkpoint_without_masters_starts_them_from_the_model(fake):
 
 
 # -- state dicts and the switch ----------------------------------------------------------
-def test_state_dict_holds_every_loss_scale_and_round_trips(fake):
-    model, opt = make(fake)
+def test_state_dict_holds_every_loss_scale_and_round_trips(capable_fake):
+    model, opt = make(capable_fake)
     amp.initialize(model, opt, num_losses=2)
     amp.loss_scaler(1).scale_factor = 4.0
     saved = amp.state_dict()
@@ -405,7 +405,7 @@ def test_state_dict_holds_every_loss_scale_and_round_trips(fake):
         "loss_scaler1": {"scale": 4.0, "scale_factor": 4.0, "growth_factor": 2.0,
                          "backoff_factor": 0.5, "growth_interval": 2000,
                          "_growth_tracker": 0, **counters}}
-    model, opt = make(fake)
+    model, opt = make(capable_fake)
     amp.initialize(model, opt, num_losses=2)
     amp.load_state_dict(saved)
     assert amp.state_dict() == saved
@@ -417,16 +417,16 @@ def test_state_dict_holds_every_loss_scale_and_round_trips(fake):
     assert amp.state_dict() == saved  # nothing was loaded
 
 
-def test_load_state_dict_reads_apex_checkpoints(fake):
-    model, opt = make(fake)
+def test_load_state_dict_reads_apex_checkpoints(capable_fake):
+    model, opt = make(capable_fake)
     amp.initialize(model, opt)
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}})
     assert amp.state_dict()["loss_scaler0"]["scale"] == 1024.0
     assert amp.loss_scaler().stats()["growth_tracker"] == 7
 
 
-def test_disabled_and_o0_are_pass_throughs(fake):
-    model, opt = make(fake)
+def test_disabled_and_o0_are_pass_throughs(capable_fake):
+    model, opt = make(capable_fake)
     forward = model.forward
     assert amp.initialize(model, opt, enabled=False) == (model, opt)
     assert model.forward == forward and opt.step.__func__ is FakeOptimizer.step
@@ -434,7 +434,7 @@ def test_disabled_and_o0_are_pass_throughs(fake):
     with amp.scale_loss(loss, opt) as scaled:
         assert scaled is loss
     assert amp.opt_properties() is None
-    model, opt = make(fake)
+    model, opt = make(capable_fake)
     amp.initialize(model, opt, opt_level="O0")
     assert opt.step.__func__ is FakeOptimizer.step  # O0 wraps nothing
     with amp.scale_loss(loss, opt) as scaled:

@@ -88,9 +88,9 @@ def test_the_pin_travels_with_pickle_and_deepcopy(fake):
         assert clone.seen[-1] == ("float32", None)
 
 
-def test_o2_leaves_a_pinned_child_float32_without_masters(fake):
-    child = module(fake, (2.0, 3.0))
-    model = module(fake, children=[child])
+def test_o2_leaves_a_pinned_child_float32_without_masters(capable_fake):
+    child = module(capable_fake, (2.0, 3.0))
+    model = module(capable_fake, children=[child])
     amp.keep_float32(child)
     opt = FakeOptimizer(list(model.parameters()))
     amp.initialize(model, opt, opt_level="O2")
@@ -100,9 +100,9 @@ def test_o2_leaves_a_pinned_child_float32_without_masters(fake):
     assert stepped[1] is kept and stepped[0] is not own  # a master for the cast one only
 
 
-def test_pinning_after_o2_restores_the_exact_weights_from_the_masters(fake):
-    child = module(fake, (1 + 2.0**-12, 3.0))  # not a float16 value
-    model = module(fake, children=[child])
+def test_pinning_after_o2_restores_the_exact_weights_from_the_masters(capable_fake):
+    child = module(capable_fake, (1 + 2.0**-12, 3.0))  # not a float16 value
+    model = module(capable_fake, children=[child])
     opt = FakeOptimizer(list(model.parameters()))
     amp.initialize(model, opt, opt_level="O2")
     kept = child._params[0]
@@ -115,13 +115,13 @@ def test_pinning_after_o2_restores_the_exact_weights_from_the_masters(fake):
 
 # -- the registries ---------------------------------------------------------------------
 @pytest.fixture
-def ns(fake, monkeypatch):
+def ns(monkeypatch):
     """A fake framework package: ``fakefw.ops.f`` also bound as ``fakefw.layers.f`` and
-    the private ``fakefw._impl.f``."""
+    the private ``fakefw._impl.f`` (for a test that selects a fake backend first)."""
     calls = []  # (the dtypes f got, whether autocast was on inside f)
 
     def f(*tensors, scale=1.0):
-        calls.append(([t.dtype for t in tensors], fake.autocast_state[-1][0]))
+        calls.append(([t.dtype for t in tensors], amp.get_backend().autocast_state[-1][0]))
         return FakeTensor([scale * sum(t.values[0] for t in tensors)], tensors[0].dtype)
 
     mods = {}
@@ -159,9 +159,9 @@ def test_the_same_framework_bindings_are_patched_and_private_ones_left(fake, ns)
     assert mods["fakefw.ops"].f is f and mods["fakefw.layers"].f is f
 
 
-def test_registering_after_initialize_raises(fake, ns):
+def test_registering_after_initialize_raises(capable_fake, ns):
     mods, _, f = ns
-    model = module(fake)
+    model = module(capable_fake)
     amp.initialize(model, FakeOptimizer(list(model.parameters())), opt_level="O1")
     with pytest.raises(RuntimeError, match=r"'fakefw\.ops', 'f'\) was called after"
                                            r" amp\.initialize\(\)"):

@@ -9,8 +9,8 @@ import weakref
 import pytest
 
 import unified_amp as amp
-from unified_amp import _registry, interface
-from unified_amp.scaler._scale_rule import next_scale
+from unified_amp import _registry, capabilities
+from unified_amp._scale_rule import next_scale
 
 from .fake_backend import FakeBackend, FakeOptimizer, FakeTensor, linear_loss
 
@@ -73,7 +73,7 @@ class FakeDeviceScale:
             self.steps, self.skipped_v, self.last = telemetry
 
 
-class TracingFake(FakeBackend, interface.Tracing):
+class TracingFake(FakeBackend, capabilities.Tracing):
     """Its "trace" is a switch: setting ``tracing`` to a mode starts one, first calling
     what ``before_traces`` registered (as the MegEngine adapter does before each traced
     call)."""

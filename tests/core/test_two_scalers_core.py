@@ -11,9 +11,9 @@ from .test_forensics_core import loss_on, model_of, step
 INF = math.inf
 
 
-def test_one_scalers_overflow_leaves_the_others_forensics_and_decisions_alone(fake):
-    model_a = model_of(fake, small=1.0, big=1e5)  # big overflows float16
-    model_b = model_of(fake, encoder=1.0, head=2.0)
+def test_one_scalers_overflow_leaves_the_others_forensics_and_decisions_alone(capable_fake):
+    model_a = model_of(capable_fake, small=1.0, big=1e5)  # big overflows float16
+    model_b = model_of(capable_fake, encoder=1.0, head=2.0)
     params_a, params_b = model_a.parameters(), model_b.parameters()
     opt_a, opt_b = FakeOptimizer(params_a), FakeOptimizer(params_b)
     scaler_a = amp.GradScaler(init_scale=4.0).watch(model_a)

@@ -236,7 +236,7 @@ class Summed:
         form = call[7]
         scaled = scale if form in SCALED_BACKWARDS else 1.0
         # scaler.backward() gives the true sum: it brings a gradient it unscaled back
-        # to the scale first, so that one unscale serves both (scaler/_scaling.py)
+        # to the scale first, so that one unscale serves both (ScalerMachine.backward, scaler/_machine.py)
         unscaling = form in UNSCALING_BACKWARDS and a["outcome"] == "ok"
         precision = 1.0 if "float16" in a["dtypes"] + b["dtypes"] else 2.0**-13
         mt, mm = (summed_magnitudes(w, call) for w in weights)

@@ -648,11 +648,11 @@ def test_the_scalers_host_side_is_never_compiled_from_an_eagerly_run_compiled_fr
     """The scaler's public methods skip torch.compiler.disable's wrapper when no compiled
     code is running (it costs microseconds per call); from a compiled frame that dynamo
     runs eagerly they must still go through it, or the core's own frames get compiled."""
-    from unified_amp.scaler import _scaling
+    from unified_amp.scaler._machine import ScalerMachine
 
     seen = []
-    update = _scaling.update  # the core's own frame, once per iteration
-    monkeypatch.setattr(_scaling, "update", lambda m, *a, **k: (
+    update = ScalerMachine.update  # the core's own frame, once per iteration
+    monkeypatch.setattr(ScalerMachine, "update", lambda m, *a, **k: (
         seen.append(torch.compiler.is_compiling()), update(m, *a, **k))[1])
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)

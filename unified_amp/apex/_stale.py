@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-from ..interface import GradVersions, capability
+from ..capabilities import GradVersions, capability
 
 __all__: list[str] = []
 

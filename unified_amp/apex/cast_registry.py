@@ -27,7 +27,7 @@ import sys
 import types
 from typing import Any, Callable
 
-from . import _state
+from .. import _latest_initialize
 from .._casting import _cast_tree
 from ..interface import LOW_PRECISION
 from .._registry import get_backend
@@ -158,7 +158,7 @@ def _resolve(namespace: Any, name: Any, caller: str) -> tuple[Any, Callable[...,
 
 
 def _check_not_initialized(caller: str, namespace: Any, name: str) -> None:
-    state = _state.latest()
+    state = _latest_initialize.latest()
     if state is not None and state.props is not None:
         raise RuntimeError(
             f"amp.{caller}({getattr(namespace, '__name__', namespace)!r}, {name!r}) was"

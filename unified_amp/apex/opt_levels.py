@@ -23,10 +23,12 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _patch, _stale, _state
+from .. import _latest_initialize
+from . import _patch, _stale
 from ._presets import OptProperties, resolve_properties
 from .._registry import get_backend
 from ..scaler._targets import is_optimizer
+from ..capabilities import OptLevelCasting, require
 from ..interface import LOW_PRECISION
 from ..scaler._grad_scaler import GradScaler
 
@@ -55,7 +57,7 @@ class _AmpState:
         self.backend = get_backend()
         # Each prepared optimizer's _OptimizerAmp, in order, and the models (to name
         # parameters in errors): weakly, since the models and optimizers are what keep
-        # this state alive (_state.remember).
+        # this state alive (_latest_initialize.remember).
         self._infos: list[Callable[[], Any]] = []
         self._models: list[Callable[[], Any]] = []
         # id(model parameter) -> its master weight (O2), for amp.keep_float32 after
@@ -114,7 +116,7 @@ class _AmpState:
 def latest() -> _AmpState | None:
     """The state of the latest ``initialize()`` call whose models or optimizers are
     still alive, or None."""
-    return _state.latest()
+    return _latest_initialize.latest()
 
 
 def _current(what: str) -> _AmpState:
@@ -200,9 +202,10 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
 
     _patch.check_fresh(model_list, opt_list)
     if not enabled:
-        _state.remember(_AmpState(None, num_losses), model_list + opt_list)
+        _latest_initialize.remember(_AmpState(None, num_losses), model_list + opt_list)
         return result()
 
+    require(backend, OptLevelCasting, "amp.initialize")
     params = [p for m in model_list for p in m.parameters()]
     for p in params:
         name = backend.dtype_name(p.dtype)
@@ -220,7 +223,7 @@ def initialize(models: Any, optimizers: Any = None, opt_level: str = "O1",
     state = _AmpState(props, num_losses)
     state.set_models(model_list)
     _patch.prepare(state, model_list, opt_list)
-    _state.remember(state, model_list + opt_list)
+    _latest_initialize.remember(state, model_list + opt_list)
     return result()
 
 

@@ -3,38 +3,22 @@
 Read in this order:
 
 - ``_grad_scaler.py``  ``GradScaler``: the call forms of torch.amp and megengine.amp,
-  argument checks, checkpoints; every operation goes to the machine it holds.
-- ``_machine.py``      ``ScalerMachine``: the state machine -- what one iteration
-  records (each optimizer's stage, every check), the fused check, and ``step`` written
-  top to bottom; ``_scaling.py`` has its other calls (``scale``, ``backward(gm, loss)``,
-  ``unscale``, ``update``).
-- the parts the machine holds: ``_state.py`` (the scale and its telemetry),
-  ``_scale_rule.py`` (the growth/backoff rule), ``_ledger.py`` (which gradient
-  generations were unscaled, by which check), ``_handout.py`` (how the scale went out),
-  ``_targets.py`` (the parameters of an optimizer, module or list) and ``_forensics.py``
-  (overflow reports);
+  argument checks, checkpoints; every operation goes to the machine it holds, and its
+  overflow forensics (unified_amp/forensics.py) listens to that machine.
+- ``_machine.py``      ``ScalerMachine``: the state machine -- every transition
+  (``scale``, ``backward(gm, loss)``, ``unscale``, ``step``, ``update``), each written
+  top to bottom, and what it announces to listeners.
+- the parts the machine holds: ``_iteration.py`` (what one iteration records: each
+  optimizer's stage, every check, how the scale went out), ``_state.py`` (the scale
+  and its telemetry),
+  ``_ledger.py`` (which gradient generations were unscaled, by which check) and
+  ``_targets.py`` (the parameters of an optimizer, module or list); the scale rule is
+  ``unified_amp/_scale_rule.py``, below both the scaler and the trace policy;
 - beside the class: ``_call_forms.py`` (torch.amp's and megengine.amp's signatures) and
   ``_adapter_view.py`` (what an adapter's subclass may read).
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._adapter_view import AdapterView
-    from ._grad_scaler import GradScaler
+from ._adapter_view import AdapterView
+from ._grad_scaler import GradScaler
 
 __all__ = ["AdapterView", "GradScaler"]
-
-
-def __getattr__(name: str) -> Any:
-    # Made on first use: the framework-free modules below the scaler (_tracing.py) use
-    # its scale rule while unified_amp itself is still being imported.
-    if name == "GradScaler":
-        from ._grad_scaler import GradScaler
-        return GradScaler
-    if name == "AdapterView":
-        from ._adapter_view import AdapterView
-        return AdapterView
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._machine import Check
-from ..interface import DeviceScale
+from ._iteration import Check
+from ..capabilities import DeviceScale
 
 __all__ = ["AdapterView"]
 
@@ -35,51 +35,52 @@ class AdapterView:
       would have called, for the adapter to call where its compiler can follow it.
     """
 
-    __slots__ = ("_m",)
+    __slots__ = ("_machine",)
 
     def __init__(self, machine: Any) -> None:  # a GradScaler's ScalerMachine
-        self._m = machine
+        self._machine = machine
 
     @property
     def enabled(self) -> bool:
-        return self._m.enabled
+        return self._machine.enabled
 
     @property
     def device(self) -> str | None:
-        return self._m.device
+        return self._machine.device
 
     @property
     def device_scale(self) -> DeviceScale | None:
-        return self._m.s.dev
+        return self._machine.scale_state.device_scale
 
     def host_scale(self) -> tuple[float, int]:
-        return self._m.s.value, self._m.s.tracker
+        scale_state = self._machine.scale_state
+        return scale_state.scale, scale_state.growth_tracker
 
     def synced_scale(self) -> tuple[float, int]:
-        self._m.s.sync_from_device()
+        self._machine.scale_state.sync_from_device()
         return self.host_scale()
 
     def stages(self) -> dict[int, tuple[str, list[Check]]]:
-        return {key: (state.stage.name, list(state.checks))
-                for key, state in self._m.it.opt_states.items()}
+        return {key: (stage.stage.name, list(stage.checks))
+                for key, stage in self._machine.iteration.optimizers.items()}
 
     def checks_of(self, optimizer: Any) -> list[Check]:
-        state = self._m.it.opt_states.get(id(optimizer))
-        return [] if state is None else list(state.checks)
+        stage = self._machine.iteration.optimizers.get(id(optimizer))
+        return [] if stage is None else list(stage.checks)
 
     def step_deferred(self, step: Any, optimizer: Any, args: tuple, kwargs: dict
                       ) -> tuple[tuple[Any, tuple, dict] | None, Any]:
-        m = self._m
-        m.defer_steps, m.deferred = True, None
+        machine = self._machine
+        machine.defer_optimizer_step, machine.deferred_step = True, None
         try:
             result = step(optimizer, *args, **kwargs)
-            return m.deferred, result
+            return machine.deferred_step, result
         finally:
-            m.defer_steps, m.deferred = False, None
+            machine.defer_optimizer_step, machine.deferred_step = False, None
 
     def check_only(self, optimizer: Any) -> Check:
-        m = self._m
+        machine = self._machine
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        check = m.check(params, unscale=False, read=False, allow_fp16=True)
-        m.it.opt_state(optimizer).checks.append(check)
+        check = machine.check(params, unscale=False, read=False, allow_fp16=True)
+        machine.iteration.optimizer(optimizer).checks.append(check)
         return check

@@ -26,10 +26,11 @@ sync at all. The stage logic is the same in both modes; only where the arithmeti
 differs.
 
 Where the parts live: this module has the public class, which holds its state machine
-(``self._m``, a ``ScalerMachine``: _machine.py, with what one iteration records and
-``step``; _scaling.py has the other calls on it) and delegates to it; ``_state.py`` has
-the numbers (scale, tracker, telemetry) and checkpoints, ``_scale_rule.py`` the scale
-rule and the checks of its numbers, ``_call_forms.py`` the constructor's two call forms.
+(``self._machine``, a ``ScalerMachine``: _machine.py, with what one iteration records and
+every transition) and delegates to it, and the overflow forensics that listens to the
+machine (``self._forensics``, forensics.py); ``_state.py`` has the numbers (scale,
+tracker, telemetry) and checkpoints, ``unified_amp/_scale_rule.py`` the scale rule and
+the checks of its numbers, ``_call_forms.py`` the constructor's two call forms.
 """
 
 from __future__ import annotations
@@ -38,18 +39,17 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
-from . import _scaling
 from .. import _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from .._registry import get_backend
-from ._scale_rule import check_factors, next_scale, valid_scale
+from .._scale_rule import check_factors, next_scale, valid_scale
 from ._machine import ScalerMachine
 from ._state import ScaleState
 from ._targets import is_optimizer
 from ..errors import ScalerStateError
-from ..forensics import OverflowReport
-from ..interface import NativeScalerClass, capability
+from ..forensics import OverflowReport, ScalerForensics
+from ..capabilities import NativeScalerClass, capability
 
 __all__ = ["GradScaler", "AdapterView", "next_scale"]
 
@@ -109,7 +109,8 @@ class GradScaler:
     # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
     __signature__ = UNIFIED_SIG
     __module__ = "unified_amp.scaler"  # the path pickles name, as before scaler/ was a package
-    _m: ScalerMachine  # the state machine this scaler holds and delegates to
+    _machine: ScalerMachine  # the state machine this scaler holds and delegates to
+    _forensics: ScalerForensics  # its overflow reports, listening to the machine
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GradScaler":
         if cls is GradScaler:
@@ -152,15 +153,20 @@ class GradScaler:
         group = a["process_group"]
         if group is not None and enabled:
             distributed.check_group(get_backend(), group)
-        numbers = ScaleState(a["init_scale"], a["growth_factor"], a["backoff_factor"],
+        scale_state = ScaleState(a["init_scale"], a["growth_factor"], a["backoff_factor"],
                              a["growth_interval"])
-        self._m = ScalerMachine(self, enabled, device, group, numbers)
+        self._start(ScalerMachine(self, enabled, device, group, scale_state))
+
+    def _start(self, machine: ScalerMachine) -> None:
+        self._machine = machine
+        self._forensics = ScalerForensics(machine.enabled)
+        machine.listeners.append(self._forensics)
 
     # -- the loop ---------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or a list/tuple of tensors) times the current scale."""
-        m = self._m
-        return _scaling.scale(m, outputs) if m.enabled else outputs
+        machine: ScalerMachine = self._machine
+        return machine.scale(outputs) if machine.enabled else outputs
 
     def backward(self, gm: Any, y: Any = None, dy: Any = None, *,
                  unscale_grad: bool = True, update_scale: bool = True) -> None:
@@ -186,8 +192,9 @@ class GradScaler:
                 f"GradScaler.backward() expects a GradManager (amp.GradManager or"
                 f" MegEngine's own) as its first argument; got {type(gm).__name__}{hint}."
             )
-        if self._m.enabled:
-            _scaling.backward(self._m, gm, y, dy, unscale_grad, update_scale)
+        machine: ScalerMachine = self._machine
+        if machine.enabled:
+            machine.backward(gm, y, dy, unscale_grad, update_scale)
         else:
             gm.backward(y, dy)
 
@@ -205,10 +212,10 @@ class GradScaler:
                 stepped; or nothing was scaled since the last ``update()``.
             ValueError: a gradient is float16.
         """
-        m = self._m
-        if m.enabled:
-            m.refuse_in_trace("GradScaler.unscale()", "unscale")
-            _scaling.unscale(m, target, "unscale()", True)
+        machine: ScalerMachine = self._machine
+        if machine.enabled:
+            machine.refuse_in_trace("GradScaler.unscale()", "unscale")
+            machine.unscale(target, "unscale()", drop=True)
         return self
 
     def unscale_(self, optimizer: Any) -> None:
@@ -221,10 +228,10 @@ class GradScaler:
         Raises:
             RuntimeError: as ``unscale()``.
         """
-        m = self._m
-        if m.enabled:
-            m.caps.traced(m.s, "GradScaler.unscale_()")
-            _scaling.unscale(m, optimizer, "unscale_()", False)
+        machine: ScalerMachine = self._machine
+        if machine.enabled:
+            machine.traced("GradScaler.unscale_()")
+            machine.unscale(optimizer, "unscale_()", drop=False)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscales ``optimizer``'s gradients if not yet done, then steps it unless an
@@ -237,7 +244,7 @@ class GradScaler:
                 gradients need unscaling but nothing was scaled since the last update;
                 it has no gradients and none were checked; or a ``closure`` was given.
         """
-        if not self._m.enabled:
+        if not self._machine.enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
@@ -246,8 +253,8 @@ class GradScaler:
                 f"GradScaler.step() expects an optimizer (an object with param_groups and"
                 f" step()); got {type(optimizer).__name__}."
             )
-        m: ScalerMachine = self._m
-        return m.step(optimizer, args, kwargs)
+        machine: ScalerMachine = self._machine
+        return machine.step(optimizer, args, kwargs)
 
     def update(self, new_scale: Any = None) -> None:
         """Ends the iteration: backs the scale off if an overflow was found since the
@@ -261,23 +268,24 @@ class GradScaler:
             RuntimeError: nothing was unscaled or checked since the last update (and no
                 new_scale).
         """
-        if self._m.enabled:
-            _scaling.update(self._m, new_scale)
+        machine: ScalerMachine = self._machine
+        if machine.enabled:
+            machine.update(new_scale)
 
     # -- inspection and settings --------------------------------------------------------------
     @property
     def adapter_view(self) -> AdapterView:
         """The declared members an adapter's subclass may read (:class:`AdapterView`)."""
-        return AdapterView(self._m)
+        return AdapterView(self._machine)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). No device sync,
         except after a fused optimizer moved the scale to the device (as torch.amp)."""
-        m = self._m
-        if not m.enabled:
+        machine = self._machine
+        if not machine.enabled:
             return 1.0
-        m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
-        return m.current_scale()
+        machine.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
+        return machine.current_scale()
 
     @property
     def scale_factor(self) -> float:
@@ -285,22 +293,22 @@ class GradScaler:
 
         Reading it counts as handing the scale out (megengine.amp's manual mode passes
         it as ``dy`` to ``gm.backward``)."""
-        m = self._m
-        m.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
-        m.it.handout.handed(None)
-        m.dropped.forget()
+        machine = self._machine
+        machine.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
+        machine.iteration.hand_out(None)
+        machine.dropped.forget()
         return self.get_scale()
 
     @scale_factor.setter
     def scale_factor(self, value: Any) -> None:
-        m = self._m
-        value = valid_scale(value, "scale_factor", m.be)
-        m.refuse_in_trace("Setting GradScaler.scale_factor", "write")
-        m.s.set(value)
+        machine = self._machine
+        value = valid_scale(value, "scale_factor", lambda: machine.backend)
+        machine.refuse_in_trace("Setting GradScaler.scale_factor", "write")
+        machine.scale_state.set(value)
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales (False: every method is a pass-through)."""
-        return self._m.enabled
+        return self._machine.enabled
 
     def stats(self) -> dict[str, Any]:
         """Telemetry, as plain Python values, without a device sync.
@@ -315,22 +323,23 @@ class GradScaler:
         unscales without ever calling ``update()`` shows here, its ``steps`` stuck);
         ``overflows``: the recent overflow reports.
         """
-        m = self._m
-        s = m.s
+        machine = self._machine
+        scale_state, iteration = machine.scale_state, machine.iteration
         # Inside a trace the values stay as of the last read (as_of_step says which).
-        if m.enabled and s.dev is not None and _tracing.mode(m.be()) is None:
-            s.poll()
+        if machine.enabled and scale_state.device_scale is not None and \
+                _tracing.mode(machine.backend) is None:
+            scale_state.poll()
         return {
-            "scale": s.value if m.enabled else 1.0,
-            "growth_tracker": s.tracker,
-            "steps": s.steps,
-            "skipped_steps": s.skipped_steps,
-            "last_step_skipped": s.last_step_skipped,
-            "enabled": m.enabled,
-            "as_of_step": s.as_of_step,
-            "checks_since_update": len(m.it.checks) + m.it.folded,
-            "overflows_since_update": m.it.overflows(),
-            "overflows": m.forensics.history_dicts(),
+            "scale": scale_state.scale if machine.enabled else 1.0,
+            "growth_tracker": scale_state.growth_tracker,
+            "steps": scale_state.steps,
+            "skipped_steps": scale_state.skipped_steps,
+            "last_step_skipped": scale_state.last_step_skipped,
+            "enabled": machine.enabled,
+            "as_of_step": scale_state.as_of_step,
+            "checks_since_update": len(iteration.checks) + iteration.folded_checks,
+            "overflows_since_update": iteration.overflows(),
+            "overflows": self._forensics.history_dicts(),
         }
 
     # -- overflow forensics (forensics.py) ------------------------------------------------
@@ -360,7 +369,7 @@ class GradScaler:
             TypeError: ``model`` is not a module (``model.parameters()`` is not one).
             ValueError: a setting out of range.
         """
-        self._m.forensics.watch(model, warn_after, warn_below, history)
+        self._forensics.watch(model, warn_after, warn_below, history)
         return self
 
     def last_overflow(self) -> OverflowReport | None:
@@ -369,31 +378,34 @@ class GradScaler:
         ``str(report)`` is one line: step, scale, loss, which gradients were inf or
         NaN, and the likely cause; ``report.as_dict()`` is the same as plain data.
         """
-        return self._m.forensics.last
+        return self._forensics.last
 
     def get_growth_factor(self) -> float:
-        return self._m.s.growth_factor
+        return self._machine.scale_state.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        s = self._m.s
-        check_factors(s.value, new_factor, s.backoff_factor, s.growth_interval)
-        s.growth_factor = float(new_factor)
+        scale_state = self._machine.scale_state
+        check_factors(scale_state.scale, new_factor, scale_state.backoff_factor,
+                      scale_state.growth_interval)
+        scale_state.growth_factor = float(new_factor)
 
     def get_backoff_factor(self) -> float:
-        return self._m.s.backoff_factor
+        return self._machine.scale_state.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        s = self._m.s
-        check_factors(s.value, s.growth_factor, new_factor, s.growth_interval)
-        s.backoff_factor = float(new_factor)
+        scale_state = self._machine.scale_state
+        check_factors(scale_state.scale, scale_state.growth_factor, new_factor,
+                      scale_state.growth_interval)
+        scale_state.backoff_factor = float(new_factor)
 
     def get_growth_interval(self) -> int:
-        return self._m.s.growth_interval
+        return self._machine.scale_state.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        s = self._m.s
-        check_factors(s.value, s.growth_factor, s.backoff_factor, new_interval)
-        s.growth_interval = new_interval
+        scale_state = self._machine.scale_state
+        check_factors(scale_state.scale, scale_state.growth_factor, scale_state.backoff_factor,
+                      new_interval)
+        scale_state.growth_interval = new_interval
 
     # -- checkpoints and pickling -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -401,41 +413,44 @@ class GradScaler:
         megengine.amp's ``scale_factor`` and ``stats()``'s counters (``steps``,
         ``skipped_steps``, ``last_step_skipped``), so that either framework's own
         scaler loads it too. Empty when disabled (as torch.amp)."""
-        m = self._m
-        if not m.enabled:
+        machine = self._machine
+        if not machine.enabled:
             return {}
-        m.refuse_in_trace("GradScaler.state_dict()", "read")
-        return m.s.state_dict()
+        machine.refuse_in_trace("GradScaler.state_dict()", "read")
+        return machine.scale_state.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads a dict from ``state_dict()``, torch.amp's or megengine.amp's (then
         ``stats()``'s counters stay as they are). One it cannot load raises
         ``amp.StateDictError`` (also the natives' error types) and changes nothing.
         No-op when disabled."""
-        m = self._m
-        if m.enabled:
-            m.refuse_in_trace("GradScaler.load_state_dict()", "write")
-            m.s.load(state_dict)
+        machine = self._machine
+        if machine.enabled:
+            machine.refuse_in_trace("GradScaler.load_state_dict()", "write")
+            machine.scale_state.load(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        m = self._m
-        if m.it.opt_states or m.it.checked():
+        machine = self._machine
+        if machine.iteration.optimizers or machine.iteration.checked():
             raise ScalerStateError(
                 "A GradScaler instance may only be pickled at the beginning of an"
                 " iteration, or at the end after scaler.update()."
             )
-        m.s.sync_from_device()
-        s = m.s
+        scale_state = machine.scale_state
+        scale_state.sync_from_device()
         # Settings and numbers only: device tensors, the ledger (live gradients), the
         # overflow reports (models) and a process group (a live communicator) are
         # remade or given again after loading.
-        state = {k: v for k, v in self.__dict__.items() if k != "_m"}
-        state.update(_enabled=m.enabled, _device=m.device, _scale_value=s.value,
-                     _growth_factor=s.growth_factor, _backoff_factor=s.backoff_factor,
-                     _growth_interval=s.growth_interval, _tracker=s.tracker,
-                     _steps=s.steps, _skipped_steps=s.skipped_steps,
-                     _last_step_skipped=s.last_step_skipped, _as_of_step=s.as_of_step,
-                     _updated_by_backward=m.updated_by_backward)
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_machine", "_forensics")}
+        state.update(_enabled=machine.enabled, _device=machine.device, _scale_value=scale_state.scale,
+                     _growth_factor=scale_state.growth_factor,
+                     _backoff_factor=scale_state.backoff_factor,
+                     _growth_interval=scale_state.growth_interval,
+                     _tracker=scale_state.growth_tracker, _steps=scale_state.steps,
+                     _skipped_steps=scale_state.skipped_steps,
+                     _last_step_skipped=scale_state.last_step_skipped,
+                     _as_of_step=scale_state.as_of_step,
+                     _updated_by_backward=machine.updated_by_backward)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -443,24 +458,24 @@ class GradScaler:
         # beside others that are remade now).
         extra = {k: v for k, v in state.items()
                  if k not in _PICKLED and k not in _REMADE}
-        numbers = ScaleState(state["_scale_value"], state["_growth_factor"],
+        scale_state = ScaleState(state["_scale_value"], state["_growth_factor"],
                              state["_backoff_factor"], state["_growth_interval"],
                              state["_tracker"], state["_steps"], state["_skipped_steps"],
                              state["_last_step_skipped"], state.get("_as_of_step"))
         self.__dict__.update(extra)
-        self._m = ScalerMachine(self, state["_enabled"], state["_device"], None, numbers)
-        self._m.updated_by_backward = state.get("_updated_by_backward", False)
+        self._start(ScalerMachine(self, state["_enabled"], state["_device"], None, scale_state))
+        self._machine.updated_by_backward = state.get("_updated_by_backward", False)
 
     def __repr__(self) -> str:
-        m = self._m
-        s = m.s
+        machine = self._machine
+        scale_state = machine.scale_state
         # Inside a trace the scale is on the device, and reading it is refused.
-        traced = m.enabled and _tracing.mode(m.be()) is not None
+        traced = machine.enabled and _tracing.mode(machine.backend) is not None
         scale = "<on the device, in a trace>" if traced else self.get_scale()
         return (
-            f"GradScaler(scale={scale}, growth_factor={s.growth_factor},"
-            f" backoff_factor={s.backoff_factor},"
-            f" growth_interval={s.growth_interval}, enabled={m.enabled})"
+            f"GradScaler(scale={scale}, growth_factor={scale_state.growth_factor},"
+            f" backoff_factor={scale_state.backoff_factor},"
+            f" growth_interval={scale_state.growth_interval}, enabled={machine.enabled})"
         )
 
 

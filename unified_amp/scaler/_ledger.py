@@ -269,12 +269,14 @@ class GradLedger:
     def split(self, params: list[Any], version: Version
               ) -> tuple[list[Any], list[Any], list[CheckRef], list[Any]]:
         """``params`` whose current gradient is a new generation, and those gradients;
-        the checks that unscaled the others; the params without a gradient. Only called
-        while some batch exists (the machine's ``by_grad`` answers otherwise).
+        the checks that unscaled the others; the params without a gradient. With no
+        record alive (the usual step), one pass and no lookups: ``by_grad``.
 
         Raises:
             RuntimeError: a gradient mixes unscaled and scaled values (``MIXED``).
         """
+        if not self._batches:
+            return by_grad(params)
         grads = [p.grad for p in params]
         pending, pending_grads, done, idle, mixed = [], [], {}, [], 0
         for p, g, check in zip(params, grads, self.answers(params, grads, version)):
@@ -313,6 +315,17 @@ class GradLedger:
         if mixed:
             raise _mixed_error(mixed, len(params))
         return held
+
+
+def by_grad(params: list[Any]) -> tuple[list[Any], list[Any], list[CheckRef], list[Any]]:
+    """``split`` where the ledger has nothing to say: ``params`` with a gradient and
+    those gradients, no checks, and ``params`` without one."""
+    grads = list(map(_grad_of, params))
+    if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
+        return params, grads, [], []
+    return ([p for p, g in zip(params, grads) if g is not None],
+            [g for g in grads if g is not None], [],
+            [p for p, g in zip(params, grads) if g is None])
 
 
 def _no_version(grad: Any) -> None:

@@ -1,165 +1,90 @@
-"""GradScaler's state machine: what one iteration records, the stages, and ``step``.
+"""GradScaler's state machine: one record per iteration, and every transition over it.
 
-A ``GradScaler`` (_grad_scaler.py) holds one ``ScalerMachine`` and delegates to it.
-An ``Iteration`` records, until the next ``update()``, each optimizer's ``Stage``
-(torch.amp's READY -> UNSCALED -> STEPPED), every ``Check`` (one fused check-and-unscale
-over a set of gradients: its device flag and, once read, its verdict) and how the scale
-went out (_handout.py). ``step`` reads top to bottom: check the stage, unscale what is
-still scaled (``check``, agreed across ranks where needed: distributed.py), read the
-verdict, step or skip, record the stage; the usual torch.amp step is written out first,
-paying nothing for parts it does not need. The other calls (scale, backward(gm, loss),
-unscale, update) are _scaling.py's, on this machine. The parts it holds: ``ScaleState``
-(_state.py), the ``GradLedger`` of unscaled gradient generations (_ledger.py),
-``Forensics`` (_forensics.py) and the optimizers' parameter lists (_targets.py).
+A ``GradScaler`` (_grad_scaler.py) holds one ``ScalerMachine`` and hands each call of
+the loop to the method of the same name: ``scale``, ``backward`` (megengine.amp's
+automatic step: scaled backward, unscale, update), ``unscale`` (megengine.amp's
+``unscale`` and torch.amp's ``unscale_``), ``step`` and ``update``. Each reads top to
+bottom, as torch.amp's ``GradScaler.step`` does: check the stage, unscale what is still
+scaled (``check``: the one fused check-and-unscale, agreed across ranks where needed:
+distributed.py), read the verdict (``read_verdict``: the one host sync), step or skip,
+record the stage.
+
+What one iteration (from one ``update()`` to the next) records is one ``Iteration``
+(_iteration.py): each optimizer's stage with the checks that decided it, every
+``Check`` that ``update()`` must count, and how the scale went out. What outlives an
+iteration: the numbers (``ScaleState``, _state.py: the scale, where it lives, the
+telemetry), the ledger of unscaled gradient generations (``GradLedger``, _ledger.py),
+the marks of dropped gradients (_overflowed.py) and the optimizers' parameter lists
+(_targets.py).
+
+The machine announces what happened to its listeners (``Listener``): the scale went out,
+a check found an inf/NaN, gradients were dropped, an update was counted, the iteration
+ended. Overflow forensics (forensics.py) is one, subscribed by GradScaler; the machine
+imports none.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import inspect
-import operator
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, Sequence
 
-from .. import _overflowed, _tracing, distributed
+from .. import _foreign, _overflowed, _tracing, distributed
 from .._registry import get_backend
-from ..errors import ScalerStateError
-from ._forensics import Forensics, _user_stacklevel
-from ._handout import Handout
-from ._ledger import GradLedger
-from ._state import Caps, ScaleState
-from ._targets import OptimizerParams
+from .._scale_rule import valid_scale
+from ..errors import ScalerStateError, _user_stacklevel
+from ..capabilities import (BackwardProbes, Collectives, DeviceResident, GradVersions,
+                            Tracing, capability)
+from ._iteration import Check, Iteration, Stage
+from ._ledger import GradLedger, _no_version, by_grad
+from ._state import ScaleState
+from ._targets import OptimizerParams, each_tensor, is_optimizer, params_of
 
 __all__: list[str] = []
 
-# Checks kept before the read ones are folded into counts (a loop of megengine.amp's
-# manual form that never calls update() would otherwise check without end).
-_MAX_CHECKS = 64
+class Listener(Protocol):
+    """What a machine announces (``ScalerMachine.listeners``)."""
+
+    def scaled(self, outputs: Any) -> None:
+        """The scale went out on ``outputs`` (the loss, or a list of outputs)."""
+
+    def overflow_found(self, params: list[Any], step: int, scale: float,
+                       overflows_since_update: int) -> None:
+        """A check of the gradients of ``params`` read an inf/NaN, before anything
+        dropped them: in scaler step ``step``, scaled by ``scale``;
+        ``overflows_since_update`` checks since the last update() found one, this one
+        included."""
+
+    def gradients_dropped(self, params: list[Any], overflows_since_update: int,
+                          scale: float) -> None:
+        """megengine.amp's forms dropped the overflowed gradients of ``params``."""
+
+    def updated(self, skipped: bool, scale: float, step: int) -> None:
+        """An update() that followed a check: step ``step`` was skipped or taken, and
+        the scale is now ``scale``."""
+
+    def iteration_ended(self) -> None:
+        """The iteration ended (update(), or the one backward(gm, loss) runs)."""
 
 
-class Stage(enum.Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+class Capabilities:
+    """The adapter's optional capabilities that the machine calls, asked once per scaler
+    (a step asks several times; each is a fact about the adapter's class)."""
 
+    __slots__ = ("backend", "backward_probes", "grad_version", "device_resident",
+                 "tracing", "collectives", "is_float16")
 
-class OptState:
-    """One optimizer's progress through the iteration (torch.amp's stages)."""
-
-    __slots__ = ("stage", "checks")
-
-    def __init__(self) -> None:
-        self.stage = Stage.READY
-        self.checks: list[Check] = []  # the checks that covered its gradients
-
-
-class Iteration:
-    """What happened since the last ``update()``: each optimizer's stage (keyed by
-    ``id()``: the keys live for one iteration only), every check that ``update()`` must
-    count, and how the scale was handed out."""
-
-    __slots__ = ("opt_states", "checks", "folded", "folded_found", "handout")
-
-    def __init__(self) -> None:
-        self.opt_states: dict[int, OptState] = {}
-        self.checks: list[Check] = []
-        self.folded = 0  # read checks folded into counts, and how many found inf/NaN
-        self.folded_found = 0
-        self.handout = Handout()  # how the scale went out (_handout.py)
-
-    def opt_state(self, optimizer: Any) -> OptState:
-        state = self.opt_states.get(id(optimizer))
-        if state is None:
-            state = self.opt_states[id(optimizer)] = OptState()
-        return state
-
-    def add(self, check: Check) -> None:
-        checks = self.checks
-        checks.append(check)
-        if len(checks) > _MAX_CHECKS:
-            self._fold()
-
-    def _fold(self) -> None:
-        """Folds the read checks into counts (update() needs only whether one found an
-        inf/NaN), keeping those an optimizer's stage refers to."""
-        kept = {id(c) for st in self.opt_states.values() for c in st.checks}
-        folded = [c for c in self.checks if c.found is not None and id(c) not in kept]
-        self.folded += len(folded)
-        self.folded_found += sum(1 for c in folded if c.found)
-        gone = {id(c) for c in folded}
-        self.checks = [c for c in self.checks if id(c) not in gone]
-
-    def checked(self) -> bool:
-        return bool(self.checks) or bool(self.folded)
-
-    def overflows(self) -> int:
-        """Checks of this iteration that found an inf/NaN (read so far)."""
-        return self.folded_found + sum(1 for c in self.checks if c.found)
-
-
-class Check:
-    """One fused check (usually with unscale) over a set of gradients: ``flag``, the
-    adapter's device-side flag (None: no gradients); ``found``, the host verdict once
-    read (None while unread); ``pending``, the handle of a cross-rank all-reduce still
-    running on ``flag`` (distributed.py); ``on_overflow``, the overflow report
-    (_forensics.py), run once if the read finds an inf/NaN, else dropped unrun."""
-
-    __slots__ = ("flag", "found", "pending", "on_overflow", "__weakref__")
-
-    def __init__(self, flag: Any, found: bool | None, pending: Any = None,
-                 on_overflow: Callable[[], None] | None = None) -> None:
-        self.flag = flag
-        self.found = found
-        self.pending = pending
-        self.on_overflow = on_overflow
-
-    def ready(self) -> Any:
-        """The flag, once any all-reduce on it has completed (on a GPU this orders the
-        streams and does not wait on the host)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.wait()
-        return self.flag
-
-    def verdict(self, read: Callable[[Any], bool]) -> bool:
-        """The host verdict, reading the flag (a host sync) the first time only."""
-        if self.found is None:
-            self.found = bool(read(self.ready()))
-            hook, self.on_overflow = self.on_overflow, None
-            if self.found and hook is not None:
-                hook()  # before anyone drops the gradients it describes
-        return self.found
-
-
-def by_grad(params: list[Any]) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
-    """``split`` where the ledger has nothing to say: ``params`` with a gradient and
-    those gradients, no checks, and ``params`` without one."""
-    grads = list(map(_grad_of, params))
-    if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
-        return params, grads, [], []
-    return ([p for p, g in zip(params, grads) if g is not None],
-            [g for g in grads if g is not None], [],
-            [p for p, g in zip(params, grads) if g is None])
-
-
-_is_none = functools.partial(operator.is_, None)
-_grad_of = operator.attrgetter("grad")  # (map() with it: no Python frame per parameter)
-
-
-def refuse_fp16(caps: Caps, grads: list[Any]) -> None:
-    """Raises torch.amp's ValueError if a gradient is float16 (each dtype asked once)."""
-    for dtype in {g.dtype for g in grads}:
-        known = caps.fp16.get(dtype)
-        if known is None:
-            known = caps.fp16[dtype] = caps.backend.dtype_name(dtype) == "float16"
-        if known:
-            raise ValueError(
-                "Attempting to unscale FP16 gradients. GradScaler needs float32"
-                " parameters (and so float32 gradients): keep the model in float32"
-                " and let autocast run the low-precision ops."
-            )
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.backward_probes = capability(backend, BackwardProbes)
+        versions = capability(backend, GradVersions)
+        self.grad_version = _no_version if versions is None else versions.grad_version
+        self.device_resident = capability(backend, DeviceResident)
+        self.tracing = capability(backend, Tracing)
+        self.collectives = capability(backend, Collectives)
+        self.is_float16: dict[Any, bool] = {}  # dtype -> whether it is float16 (asked once)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,225 +98,208 @@ def _takes_grad_scaler_kwarg(optimizer_class: Any) -> bool:
 
 
 class ScalerMachine:
-    """The state and the operations of one GradScaler (see the module's doc)."""
+    """The state and the transitions of one GradScaler (see the module's doc)."""
 
-    def __init__(self, scaler: Any, enabled: bool, device: str | None, group: Any,
-                 numbers: ScaleState) -> None:
+    def __init__(self, scaler: Any, enabled: bool, device: str | None, process_group: Any,
+                 scale_state: ScaleState) -> None:
         self.enabled = enabled
         self.device = device  # the constructor's, or None
-        self.group = group  # GradScaler(process_group=...)
-        self.s = numbers
-        self.backend: Any = None  # resolved on first use
+        self.process_group = process_group  # GradScaler(process_group=...)
+        self.scale_state = scale_state
+        self.listeners: list[Listener] = []
+        self._backend: Any = None  # resolved on first use
         # What the adapter provides, asked once (made here for an enabled scaler: only
-        # an enabled one runs the operations below).
-        self.caps: Caps = None  # type: ignore[assignment]
+        # an enabled one runs the transitions below).
+        self.adapter: Capabilities = None  # type: ignore[assignment]
+        self.iteration = Iteration()
         self.ledger = GradLedger()
-        self.forensics = Forensics(self, enabled)
+        self.dropped = _overflowed.Dropped()  # marks for clip_grad_norm, till the next scale
         self.updated_by_backward = False  # the last update() was backward()'s own
-        self.dropped = _overflowed.Dropped()  # for clip_grad_norm, till the next scale
-        # optimizer id -> the checks behind its last step after backward()'s update()
-        self.tail: dict[int, list[Check]] = {}
+        # optimizer id -> the checks, consumed by backward()'s own update(), that decided
+        # its last step (scaler.backward(gm, loss) then scaler.step(opt))
+        self.stepped_after_update: dict[int, list[Check]] = {}
         self.optimizer_params = OptimizerParams()
-        self.scaler = weakref.ref(scaler)  # its public get_scale(), for reports
-        # An adapter may take the optimizer's own step out of step() (defer_steps): torch
-        # does inside a compiled function, so that dynamo compiles the optimizer's step
-        # as it does under torch.amp, while the scaler's host work runs eagerly.
-        self.defer_steps = False
-        self.deferred: tuple[Any, tuple, dict] | None = None
-        self.new_iteration()
+        self.scaler = weakref.ref(scaler)  # for step(grad_scaler=...)
+        # An adapter may take the optimizer's own step out of step(): torch does inside
+        # a compiled function, so that dynamo compiles the optimizer's step as it does
+        # under torch.amp, while the scaler's host work runs eagerly (AdapterView).
+        self.defer_optimizer_step = False
+        self.deferred_step: tuple[Any, tuple, dict] | None = None
         if enabled:
-            self._caps()  # (an adapter with traces calls flush_trace_copy from now on)
+            self.adapter = Capabilities(self.backend)
+            if self.adapter.tracing is not None:  # keep the trace copy current
+                _tracing.follow(self.adapter.tracing, self.flush_trace_copy)
 
-    def call_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        """``optimizer.step(*args, **kwargs)``, or, with ``defer_steps``, a note for the
-        caller to make that call itself (and None)."""
-        if self.defer_steps:
-            self.deferred = (optimizer, args, kwargs)
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    # -- the adapter ----------------------------------------------------------------------
-    def be(self) -> Any:
-        if self.backend is None:
-            self.backend = get_backend()
-        return self.backend
-
-    def _caps(self) -> Caps:
-        caps = self.caps
-        if caps is None:
-            caps = self.caps = Caps(self.be())
-            if caps.tracer is not None:  # keep the trace copy current before each trace
-                _tracing.follow(caps.tracer, self.flush_trace_copy)
-        return caps
+    @property
+    def backend(self) -> Any:
+        """The adapter, resolved on first use."""
+        if self._backend is None:
+            self._backend = get_backend()
+        return self._backend
 
     def current_scale(self) -> float:
-        self.s.sync_from_device()
-        return self.s.value
+        self.scale_state.sync_from_device()
+        return self.scale_state.scale
 
-    def new_iteration(self) -> None:
-        self.it = Iteration()
-        self.forensics.end_iteration()
-
-    # -- traces (_tracing.py has the policy) ----------------------------------------------
-    def refuse_in_trace(self, what: str, kind: str) -> None:
-        """Raises if ``what``, a call that needs the host, runs inside a trace."""
-        if self.enabled:
-            tracer = self.caps.tracer
-            if tracer is not None and tracer.trace_mode() is not None:
-                raise _tracing.refuse(tracer, what, kind)
-
-    def flush_trace_copy(self) -> None:
-        """The adapter calls this right before each traced call starts, outside it."""
-        if self.enabled and self.caps is not None and self.caps.tracer is not None:
-            self.s.mirror(self.caps.tracer)
-
-    # -- a target's gradients, split and recorded by the ledger ------------------------------
-    def split(self, params: list[Any]
-              ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
-        """``params`` with a gradient that still needs unscaling and those gradients,
-        the checks that already covered others (from the ledger), and the params with
-        neither."""
-        caps = self.caps
-        if self.it.handout.records_wait and self.it.handout.late_backward(caps.probes):
-            self.ledger.new_backward(caps.version)  # that backward ran after the record
-        if self.ledger.empty():  # the usual step: one pass, no lookups
-            return by_grad(params)
-        return self.ledger.split(params, caps.version)
-
-    def record(self, params: list[Any], grads: list[Any], check: Check,
-               weak: bool) -> None:
-        it, caps = self.it, self.caps
-        if params and it.handout.watched and it.handout.waiting(caps.probes):
-            # A backward through a scale() output made before this record may run after
-            # it: keep the gradients' versions as they are now, to compare with then.
-            it.handout.records_wait = True
-            self.ledger.record(params, grads, check, weak=weak, version=caps.version)
+    # -- scale ------------------------------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """``scaler.scale(outputs)``: a tensor, or any nesting of them, times the scale."""
+        adapter = self.adapter
+        if adapter.tracing is not None:
+            self.traced("GradScaler.scale()")
+        backend = adapter.backend
+        if backend.is_tensor(outputs):
+            scaled = self._scale_tensor(outputs, "outputs")
         else:
-            self.ledger.record(params, grads, check, weak=weak)
+            scaled = each_tensor(outputs, "outputs", self._scale_tensor, backend)
+        for listener in self.listeners:
+            listener.scaled(outputs)
+        return scaled
 
-    def scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str,
-                       solo: bool) -> tuple[Any, bool]:
-        """Whether ``pending`` may be unscaled: ``(agreement, unscale)`` for ``check``;
-        raises if nothing was scaled since the last update. Except on a rank of a job
-        whose checks are agreed across ranks that had no loss this step (an empty
-        micro-batch, an expert without tokens): its gradients (zeroed in place) are
-        checked as they are, not divided, so that it joins the other ranks' decision."""
-        it = self.it
-        if it.handout.handed_watched or it.handout.handed_blind:
-            self.require_scaled(what)  # raises only if no backward used the scale
-            return None if solo else False, True
-        agreement = None if solo else self.plan(pending, idle)
-        if agreement is None:
-            self.require_scaled(what)  # raises
-        return agreement, False
+    def _scale_tensor(self, tensor: Any, where: str) -> Any:
+        if self.dropped:  # the scale goes out for new gradients
+            self.dropped.forget()
+        adapter, device_scale = self.adapter, self.scale_state.device_scale
+        if device_scale is not None:
+            out = device_scale.scale(tensor)
+        else:
+            out = adapter.backend.scale(tensor, self.scale_state.scale)
+        probes = adapter.backward_probes
+        self.iteration.hand_out(None if probes is None else probes.backward_token(out))
+        # A backward may follow: the records' versions are read now, before it.
+        self.ledger.new_backward(adapter.grad_version)
+        return out
 
-    def require_scaled(self, what: str) -> None:
-        """Raises if unscaling now would shrink gradients that were never scaled."""
-        self.it.handout.require_scaled(what, self.s.value, self.caps.probes)
+    # -- backward(gm, loss): scaled backward, unscale, update -------------------------------
+    def backward(self, gm: Any, y: Any, dy: Any, unscale_grad: bool,
+                 update_scale: bool) -> None:
+        """``scaler.backward(gm, y, dy)``: the scaled backward pass, then (by default)
+        megengine.amp's ``unscale`` of the gradients it wrote and an ``update()``."""
+        adapter, scale_state = self.adapter, self.scale_state
+        if self.dropped:
+            self.dropped.forget()
+        if adapter.tracing is not None:
+            if unscale_grad:
+                self.refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
+            self.traced("GradScaler.backward(gm, loss, unscale_grad=False)")
+        backend = adapter.backend
+        ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
+        _foreign.require_tensors(backend, ys, "GradScaler.backward(gm, y)",
+                                 "Pass the loss (or outputs) the forward pass recorded.")
+        dys = None
+        if dy is not None:
+            dys = list(dy) if isinstance(dy, (list, tuple)) else [dy]
+            if len(dys) != len(ys):
+                raise ValueError(
+                    f"GradScaler.backward() got {len(ys)} output(s) y but {len(dys)}"
+                    f" cotangent(s) dy; pass one dy per y, or dy=None for ones."
+                )
+        device_scale = scale_state.device_scale
+        if device_scale is not None:
+            cotangents = device_scale.scaled_cotangents(ys, dys)
+        else:
+            cotangents = backend.scaled_cotangents(ys, dys, scale_state.scale)
+        attached = params_of(gm, backend, "GradScaler.backward()")
+        # This backward writes a new generation of the attached gradients.
+        held = self.ledger.begin_backward(attached, adapter.grad_version)
+        if held:  # back to the scale: one unscale afterwards gives the true sum
+            if device_scale is not None:
+                device_scale.rescale(held)
+            else:  # the fused check-and-multiply kernel, given the scale itself
+                backend.unscale_and_check(held, scale_state.scale, True)
+        self.iteration.hand_out(None)
+        for listener in self.listeners:
+            listener.scaled(ys)
+        gm.backward(ys, cotangents)
+        if not unscale_grad:
+            return
+        # Every attached gradient is new: the ledger has nothing to say about them.
+        self.unscale(gm, "unscale()", drop=True, split=by_grad(attached))
+        if update_scale:
+            self._end_iteration(None)  # not the user's: the ledger's records go on
+            self.updated_by_backward = True
+        self.ledger.weaken()  # the user's step, zero_grad and next forward follow
 
-    # -- the fused check ----------------------------------------------------------------------
-    def solo(self) -> bool:
-        """Whether no other rank takes part in this scaler's decisions (no process
-        group given, one process): then no check needs agreement, and nothing waits in
-        a no_sync() window. One question to the adapter."""
-        collectives = self.caps.collectives
-        return self.group is None and (collectives is None
-                                       or collectives.world_group() is None)
+    # -- unscale ----------------------------------------------------------------------------
+    def unscale(self, target: Any, what: str, drop: bool,
+                split: tuple[list[Any], list[Any], list[Check], list[Any]] | None = None
+                ) -> None:
+        """megengine.amp's ``unscale(target)`` (``drop``: the verdict read at once, the
+        overflowed gradients dropped) and torch.amp's ``unscale_(optimizer)`` (READY ->
+        UNSCALED; the verdict read in ``step()``). ``split``: the target's gradients as
+        ``split`` gives them, where a backward pass this scaler ran just wrote them all
+        (nothing to look up)."""
+        fresh, stage = split is not None, None  # fresh: backward()'s own gradients
+        if not fresh and is_optimizer(target):
+            stage = self.iteration.optimizer(target)
+            if stage.stage is Stage.UNSCALED:
+                raise RuntimeError(
+                    "unscale_() has already been called on this optimizer since the last"
+                    " update(). Unscaling twice would divide its gradients by the scale"
+                    " twice; call scaler.update() to finish the iteration first."
+                )
+            if stage.stage is Stage.STEPPED:
+                raise RuntimeError(
+                    "unscale_() is being called after step(). Unscale before"
+                    " scaler.step(optimizer) (step() unscales by itself when you don't)."
+                )
+        backend = self.adapter.backend
+        if split is None:
+            params = params_of(target, backend, f"GradScaler.{what}")
+            distributed.note_module(backend, target)
+            split = self.split(params)
+        pending, grads, done, idle = split
+        if done:
+            raise RuntimeError(
+                f"{what} has already been called on these gradients: no backward pass"
+                f" the scaler could see (through scaler.scale() or scaler.backward()) has"
+                f" written them since they were unscaled. Unscaling twice would divide"
+                f" them by the scale twice. Unscale each set of gradients once, after all"
+                f" of its backward passes (scaler.backward(gm, loss) already unscales"
+                f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
+                f" gradients that were not cleared also adds to unscaled ones."
+            )
+        solo = self.solo()
+        agreement, divide = (None if solo else False), True
+        if pending:
+            agreement, divide = self.scaled_or_idle(pending, idle, what, solo)
+            if not solo:
+                distributed.require_synced(backend, pending, f"GradScaler.{what}")
+        if stage is not None:
+            self.steps_on_device(target)  # a fused optimizer moves the scale to the device
+        # megengine.amp's form must read the verdict now, to drop; torch.amp's reads it
+        # in step(), as torch.amp does.
+        check = self.check(pending, grads=grads, idle=idle, agreement=agreement,
+                           unscale=divide, read=drop)
+        if drop and check.found:
+            backend.drop_grads(pending)  # so that any optimizer step leaves them alone
+            self.dropped.add(pending)  # (marked for clip_grad_norm)
+            grads = [None] * len(pending)
+            overflows, scale = self.iteration.overflows(), self.scale_state.scale
+            for listener in self.listeners:
+                listener.gradients_dropped(pending, overflows, scale)
+        if fresh:
+            check.flag = None  # read: the verdict is all its records need from now on
+        # torch.amp's unscale_ is followed by step() and update() within the iteration;
+        # megengine.amp's unscale may be followed by the next forward instead.
+        self.record(pending, grads, check, weak=drop)
+        if stage is not None:
+            stage.stage = Stage.UNSCALED
+            stage.checks.append(check)
 
-    def plan(self, params: list[Any], idle: Sequence[Any]) -> Any:
-        """The cross-rank agreement a check needs (distributed.py), or None."""
-        if self.solo():
-            return None
-        return distributed.plan(self.backend, params, list(idle), self.group)
-
-    def check(self, params: list[Any], *, grads: list[Any] | None = None,
-              idle: Sequence[Any] = (), agreement: Any = False,
-              unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
-        """Checks the gradients of ``params`` (``grads``, where the caller has them) for
-        inf/NaN in one fused call, unscaling them too unless a fused optimizer will;
-        ``read`` reads the verdict at once (the sync), else it is read when first needed.
-        Across ranks the verdict is agreed (distributed.py): ``idle`` (the target's params
-        without a gradient here) take part too; ``agreement``: the plan, if made already.
-        """
-        caps = self.caps
-        backend, s = caps.backend, self.s
-        if agreement is False:
-            agreement = self.plan(params, idle)
-        if grads is None:
-            grads = backend.grads(params)
-        if agreement is not None and agreement.standins:
-            grads = grads + agreement.standins
-        flag = None
-        if grads:
-            dev = s.dev
-            try:
-                if dev is None:
-                    # The adapter refuses a float16 gradient unless allowed (ValueError)
-                    flag = backend.unscale_and_check(grads, s.inv() if unscale else 1.0,
-                                                     allow_fp16)
-                else:
-                    if not allow_fp16:
-                        refuse_fp16(caps, grads)
-                    flag = dev.unscale_and_check(grads) if unscale else dev.check(grads)
-            except ValueError:
-                if not allow_fp16:
-                    refuse_fp16(caps, grads)  # float16 gets the core's words
-                raise
-        handle = None
-        if agreement is not None:
-            flag, handle = agreement.reduce(flag, params or list(idle))
-        check = Check(None, False) if flag is None else Check(flag, None, handle)
-        if agreement is not None:
-            # Every rank now covers the same parameters, gradient or not.
-            self.ledger.record(list(idle), [None] * len(idle), check)
-        self.it.add(check)
-        if check.found is None:
-            check.on_overflow = self.forensics.hook(params, backend, s.steps + 1)
-            if read:
-                check.verdict(backend.flag_is_set)  # the one sync
-        return check
-
-    # -- step: check the stage, unscale, read the verdict, step or skip, record the stage --
+    # -- step: check the stage, unscale, read the verdict, step or skip, record the stage ---
     def step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        """``scaler.step(optimizer)``; written out where the usual torch.amp step needs
-        nothing more: the scale on the host, no trace, no record alive, one process, an
-        optimizer that neither skips by itself nor was unscaled this iteration, and
-        gradients to check."""
-        it, caps, s = self.it, self.caps, self.s
-        if (id(optimizer) in it.opt_states or s.dev is not None or caps.tracer is not None
-                or it.handout.records_wait or not self.ledger.empty()
-                or getattr(optimizer, "_step_supports_amp_scaling", False)):
-            return self._step(optimizer, args, kwargs)
-        backend = caps.backend
-        pending, grads, _, idle = by_grad(self.optimizer_params(optimizer, backend))
-        if not pending or not self.solo():
-            return self._step(optimizer, args, kwargs)
-        if not (it.handout.handed_blind or it.handout.saw_backward):
-            self.require_scaled("step()")  # raises unless scaled
-        try:
-            flag = backend.unscale_and_check(grads, s.inv(), False)
-        except ValueError:
-            refuse_fp16(caps, grads)
-            raise
-        check = Check(flag, None, None, self.forensics.hook(pending, backend, s.steps + 1))
-        it.add(check)
-        self.record(pending, grads, check, weak=False)  # held until update()
-        state = it.opt_state(optimizer)
-        found = check.verdict(backend.flag_is_set)  # the one sync
-        result = None if found else self.call_step(optimizer, args, kwargs)
-        state.stage = Stage.STEPPED
-        state.checks = [check]
-        return result
-
-    def _step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        state = self.it.opt_state(optimizer)
-        if state.stage is Stage.STEPPED:
+        """``scaler.step(optimizer, *args, **kwargs)``: unscales what is still scaled,
+        then steps unless a check of its gradients found an inf/NaN."""
+        iteration, adapter = self.iteration, self.adapter
+        stage = iteration.optimizer(optimizer)
+        if stage.stage is Stage.STEPPED:
             raise RuntimeError(
                 "step() has already been called since the last update(). Call"
                 " scaler.update() once per iteration, after stepping every optimizer."
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and \
-                _takes_grad_scaler_kwarg(optimizer.__class__):
+        skips_by_itself = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if skips_by_itself and _takes_grad_scaler_kwarg(optimizer.__class__):
             # The optimizer unscales and checks by itself, asking this scaler.
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the"
@@ -402,99 +310,350 @@ class ScalerMachine:
                 stacklevel=_user_stacklevel(),
             )
             result = optimizer.step(*args, **dict(kwargs, grad_scaler=self.scaler()))
-            state.stage = Stage.STEPPED
+            stage.stage = Stage.STEPPED
             return result
-        caps = self.caps
+        scale_state, backend = self.scale_state, adapter.backend
+        # The usual torch.amp step: one process, no trace, no ledger record alive, an
+        # optimizer that neither skips by itself nor was checked this iteration, and
+        # gradients to check. What follows comes down to one check, its verdict and the
+        # optimizer's step then; taken straight, it costs a twentieth fewer bytecodes a
+        # step (benchmarks' host section on torch).
+        usual_step = (not skips_by_itself and adapter.tracing is None and not stage.checks
+                      and self.ledger.empty() and not iteration.recorded_while_awaiting)
+        if usual_step:
+            pending, grads, _, _ = by_grad(self.optimizer_params(optimizer, backend))
+            if pending and self.solo():
+                if not (iteration.handed_unwatched or iteration.backward_seen):
+                    self.require_scaled("step()")
+                check = Check(self._fused_check(grads, True, False), None, None, pending,
+                              scale_state.steps + 1)
+                iteration.add(check)
+                self.record(pending, grads, check, weak=False)  # held until update()
+                stepped = not self.read_verdict(check)  # the one sync
+                result = self._call_optimizer_step(optimizer, args, kwargs) if stepped else None
+                stage.stage, stage.checks = Stage.STEPPED, [check]
+                return result
         # A fused optimizer skips on the device by itself; inside a trace the adapter's
         # device scale skips for any optimizer (_tracing.py).
-        fused = caps.resident is not None and self.steps_on_device(optimizer)
-        on_device = fused or (caps.tracer is not None and caps.traced(self.s, "GradScaler.step()"))
-        params = self.optimizer_params(optimizer, caps.backend)
-        pending, grads, done, idle = self.split(params)
-        if state.stage is Stage.READY and not pending and done and not any(
-                c is k for c in done for k in self.it.checks):
-            # Every gradient was decided by checks that an update() already consumed:
-            # scaler.backward(gm, loss) then step(opt). This step ends that iteration.
-            return self._tail_step(optimizer, done, on_device, args, kwargs)
-        checks = list(state.checks)
-        checks += [c for c in done if all(c is not k for k in checks)]
-        fused_unscale = False
-        agreement = None
-        solo = self.solo()
-        if state.stage is Stage.READY and not pending and idle and not solo:
-            # No gradient here, but another rank may have some: take part in its check.
-            agreement = self.plan([], idle)
-        if state.stage is Stage.READY and (pending or agreement is not None):
-            unscale = True
-            if pending:
-                agreement, unscale = self.scaled_or_idle(pending, idle, "step()", solo)
-                if not solo:
-                    distributed.require_synced(caps.backend, pending, "GradScaler.step()")
-            # A fused optimizer unscales inside its own kernel (grad_scale), as with
-            # torch.amp -- unless some of its gradients were unscaled already.
-            fused_unscale = fused and not done and unscale
-            check = self.check(pending, grads=grads, idle=idle,
-                               agreement=None if solo else agreement or False,
-                               unscale=unscale and not fused_unscale, read=False,
-                               allow_fp16=fused_unscale)
-            if not fused_unscale:
-                # held until update(), which torch.amp's loop calls next
-                self.record(pending, grads, check, weak=False)
-            checks.append(check)
-        if not checks and not fused:
-            raise ScalerStateError(
-                "No inf checks were recorded for this optimizer: none of its parameters"
-                " has a gradient. Run the scaled backward pass before"
-                " scaler.step(optimizer)."
-            )
-        result = self._step_unless_found(optimizer, checks, on_device, fused_unscale,
-                                         args, kwargs)
-        state.stage = Stage.STEPPED
-        state.checks = checks  # every check that decided this step
+        fused = adapter.device_resident is not None and self.steps_on_device(optimizer)
+        on_device = fused or (adapter.tracing is not None and self.traced("GradScaler.step()"))
+        pending, grads, done, idle = self.split(self.optimizer_params(optimizer, backend))
+        # Decided by checks that an update() already consumed (scaler.backward(gm, loss),
+        # then step(opt)): this step ends that iteration, and starts no stage of this one.
+        after_update = stage.stage is Stage.READY and not pending and bool(done) and not any(
+            c is k for c in done for k in iteration.checks)
+        fused_unscale = False  # the optimizer unscales inside its own kernel
+        if after_update:
+            previous = self.stepped_after_update.get(id(optimizer))
+            if previous is not None and len(previous) == len(done) and all(
+                    any(c is k for k in previous) for c in done):
+                raise RuntimeError(
+                    "step() has already been called on these gradients:"
+                    " scaler.backward(gm, loss) unscaled them and called update(), and"
+                    " scaler.step(optimizer) then stepped them once. Run the next"
+                    " backward pass first."
+                )
+            self.stepped_after_update[id(optimizer)] = checks = done
+        else:
+            checks = list(stage.checks)
+            checks += [c for c in done if all(c is not k for k in checks)]
+            solo = self.solo()
+            agreement = None
+            if stage.stage is Stage.READY and not pending and idle and not solo:
+                # No gradient here, but another rank may have some: take part in its check.
+                agreement = self.plan([], idle)
+            if stage.stage is Stage.READY and (pending or agreement is not None):
+                divide = True
+                if pending:
+                    agreement, divide = self.scaled_or_idle(pending, idle, "step()", solo)
+                    if not solo:
+                        distributed.require_synced(adapter.backend, pending,
+                                                   "GradScaler.step()")
+                # A fused optimizer unscales inside its own kernel (grad_scale), as with
+                # torch.amp -- unless some of its gradients were unscaled already.
+                fused_unscale = fused and not done and divide
+                check = self.check(pending, grads=grads, idle=idle,
+                                   agreement=None if solo else agreement or False,
+                                   unscale=divide and not fused_unscale, read=False,
+                                   allow_fp16=fused_unscale)
+                if not fused_unscale:
+                    # held until update(), which torch.amp's loop calls next
+                    self.record(pending, grads, check, weak=False)
+                checks.append(check)
+            if not checks and not fused:
+                raise ScalerStateError(
+                    "No inf checks were recorded for this optimizer: none of its"
+                    " parameters has a gradient. Run the scaled backward pass before"
+                    " scaler.step(optimizer)."
+                )
+        # Step unless a check found an inf/NaN: the verdicts read here (the one sync),
+        # or, on the device, the flags handed to the optimizer's own kernel.
+        resident = adapter.device_resident
+        if any(c.found is True for c in checks):
+            skip = True
+        elif not on_device:
+            skip = any(self.read_verdict(c) for c in checks)
+        elif resident is not None and resident.skip_leaves_uninitialised_state(optimizer):
+            # Skipped on the device, this step would leave state that the next one reads
+            # uninitialised (torch's fused SGD before its first step, which torch.amp
+            # inherits): its verdict is read and it skips here, as the stock optimizer
+            # does (one host read, only until a step is taken).
+            skip = any(self.read_verdict(c) for c in checks if c.flag is not None)
+        else:
+            skip = False
+        if skip:
+            result = None
+        elif on_device:
+            assert scale_state.device_scale is not None  # steps_on_device() or traced() made it
+            result = scale_state.device_scale.step(
+                optimizer, fused_unscale, [c.ready() for c in checks if c.flag is not None],
+                args, kwargs)
+        else:
+            result = self._call_optimizer_step(optimizer, args, kwargs)
+        if not after_update:
+            stage.stage = Stage.STEPPED
+            stage.checks = checks  # every check that decided this step
         return result
 
-    def _step_unless_found(self, optimizer: Any, checks: list[Check],
-                           on_device: bool, fused_unscale: bool, args: tuple,
-                           kwargs: dict) -> Any:
-        if any(c.found is True for c in checks):
+    def _call_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        """``optimizer.step(*args, **kwargs)``, or, with ``defer_optimizer_step``, a note
+        for the adapter to make that call itself (and None)."""
+        if self.defer_optimizer_step:
+            self.deferred_step = (optimizer, args, kwargs)
             return None
-        if on_device:
-            assert self.s.dev is not None  # steps_on_device() or traced() made it
-            resident = self.caps.resident
-            if resident is not None and resident.skip_leaves_uninitialised_state(optimizer):
-                # Skipped on the device, this step would leave state that the next one
-                # reads uninitialised (torch's fused SGD before its first step: torch.amp
-                # inherits it). Read the verdict and skip here, as the stock optimizer is
-                # skipped: one host read, only until a step is taken.
-                read = self.backend.flag_is_set
-                if any(c.verdict(read) for c in checks if c.flag is not None):
-                    return None
-            return self.s.dev.step(optimizer, fused_unscale,
-                                   [c.ready() for c in checks if c.flag is not None],
-                                   args, kwargs)
-        read = self.backend.flag_is_set
-        if any(c.verdict(read) for c in checks):  # the one sync per step
-            return None
-        return self.call_step(optimizer, args, kwargs)
-
-    def _tail_step(self, optimizer: Any, checks: list[Check], on_device: bool,
-                   args: tuple, kwargs: dict) -> Any:
-        previous = self.tail.get(id(optimizer))
-        if previous is not None and len(previous) == len(checks) and all(
-                any(c is k for k in previous) for c in checks):
-            raise RuntimeError(
-                "step() has already been called on these gradients: scaler.backward(gm,"
-                " loss) unscaled them and called update(), and scaler.step(optimizer)"
-                " then stepped them once. Run the next backward pass first."
-            )
-        self.tail[id(optimizer)] = checks
-        return self._step_unless_found(optimizer, checks, on_device, False, args, kwargs)
+        return optimizer.step(*args, **kwargs)
 
     def steps_on_device(self, optimizer: Any) -> bool:
-        resident = self.caps.resident
+        """Whether ``optimizer`` skips on the device by itself (torch's fused ones); the
+        first time one does, the scale moves to the device for good."""
+        resident = self.adapter.device_resident
         if resident is None or not resident.steps_on_device(optimizer):
             return False
-        s = self.s
-        if s.dev is None:
-            s.dev = resident.device_scale(optimizer, s.value, s.tracker, s.skipped_steps)
+        scale_state = self.scale_state
+        if scale_state.device_scale is None:
+            scale_state.device_scale = resident.device_scale(
+                optimizer, scale_state.scale, scale_state.growth_tracker,
+                scale_state.skipped_steps)
         return True
+
+    # -- update -----------------------------------------------------------------------------
+    def update(self, new_scale: Any) -> None:
+        """``scaler.update(new_scale)``: ends the iteration and the ledger's records."""
+        if new_scale is not None:
+            self.refuse_in_trace("GradScaler.update(new_scale=...)", "write")
+        if self.adapter.tracing is not None:
+            self.traced("GradScaler.update()")  # (the scale stays on the device)
+        self._end_iteration(new_scale)
+        self.ledger.new_iteration()
+
+    def _end_iteration(self, new_scale: Any) -> None:
+        """Counts this iteration's checks (every verdict read, so each overflow is
+        announced), moves the scale by the rule (or sets ``new_scale``) and starts a
+        new ``Iteration``."""
+        if new_scale is not None:
+            new_scale = valid_scale(new_scale, "update(new_scale=...)", lambda: self.backend)
+        iteration, scale_state = self.iteration, self.scale_state
+        checks, checked = iteration.checks, iteration.checked()
+        if new_scale is None and not checked:
+            raise self._nothing_checked()
+        device_scale = scale_state.device_scale
+        if device_scale is not None:
+            if checked:
+                scale_state.steps += 1
+            found_host = bool(iteration.folded_overflows) or any(
+                c.found is True for c in checks)
+            flags = [c.ready() for c in checks if c.found is None]
+            for c in checks:
+                c.params = None  # never read on the host, so never announced
+            device_scale.update(found_host, flags, scale_state.growth_factor,
+                                scale_state.backoff_factor, scale_state.growth_interval,
+                                steps=scale_state.steps, count=checked,
+                                new_scale=new_scale)
+        else:
+            found = bool(iteration.folded_overflows)
+            for c in checks:  # every verdict read: each overflow must be announced
+                if self.read_verdict(c):
+                    found = True
+            if new_scale is None:
+                scale_state.advance(found, checked)
+            else:
+                scale_state.scale = new_scale
+                if checked:
+                    scale_state.count(found)
+            if checked:
+                for listener in self.listeners:
+                    listener.updated(found, scale_state.scale, scale_state.steps)
+        self.updated_by_backward = False
+        self.iteration = Iteration()
+        for listener in self.listeners:
+            listener.iteration_ended()
+
+    def _nothing_checked(self) -> ScalerStateError:
+        hint = (" scaler.backward(gm, loss) already unscaled this iteration's gradients and"
+                " called update(); drop this update() call, or pass"
+                " backward(..., update_scale=False) to update yourself."
+                if self.updated_by_backward else
+                " Call scaler.step(optimizer), scaler.unscale_(optimizer) or"
+                " scaler.unscale(gm) first, or pass update(new_scale=...).")
+        return ScalerStateError("No inf checks were recorded prior to update()." + hint)
+
+    # -- the fused check and its verdict ---------------------------------------------------
+    def check(self, params: list[Any], *, grads: list[Any] | None = None,
+              idle: Sequence[Any] = (), agreement: Any = False,
+              unscale: bool = True, read: bool = True, allow_fp16: bool = False) -> Check:
+        """Checks the gradients of ``params`` (``grads``, where the caller has them) for
+        inf/NaN in one fused call, unscaling them too unless a fused optimizer will;
+        ``read`` reads the verdict at once (the sync), else it is read when first needed.
+        Across ranks the verdict is agreed (distributed.py): ``idle`` (the target's params
+        without a gradient here) take part too; ``agreement``: the plan, if made already.
+        """
+        if agreement is False:
+            agreement = self.plan(params, idle)
+        if grads is None:
+            grads = self.adapter.backend.grads(params)
+        if agreement is not None and agreement.standins:
+            grads = grads + agreement.standins
+        flag = self._fused_check(grads, unscale, allow_fp16) if grads else None
+        handle = None
+        if agreement is not None:
+            flag, handle = agreement.reduce(flag, params or list(idle))
+        if flag is None:
+            check = Check(None, False)
+        else:
+            check = Check(flag, None, handle, params, self.scale_state.steps + 1)
+        if agreement is not None:
+            # Every rank now covers the same parameters, gradient or not.
+            self.ledger.record(list(idle), [None] * len(idle), check)
+        self.iteration.add(check)
+        if read and check.found is None:
+            self.read_verdict(check)  # the one sync
+        return check
+
+    def _fused_check(self, grads: list[Any], unscale: bool, allow_fp16: bool) -> Any:
+        """The adapter's fused kernel over ``grads``: checks them, unscaling too
+        (``unscale``), by the scale where it lives; returns the device flag."""
+        device_scale = self.scale_state.device_scale
+        try:
+            if device_scale is None:
+                # The adapter refuses a float16 gradient unless allowed (ValueError)
+                return self.adapter.backend.unscale_and_check(
+                    grads, self.scale_state.inverse() if unscale else 1.0, allow_fp16)
+            if not allow_fp16:
+                self._refuse_float16(grads)
+            return device_scale.unscale_and_check(grads) if unscale \
+                else device_scale.check(grads)
+        except ValueError:
+            if not allow_fp16:
+                self._refuse_float16(grads)  # float16 gets the core's words
+            raise
+
+    def read_verdict(self, check: Check) -> bool:
+        """The check's host verdict, reading its flag (a host sync) the first time only;
+        an inf/NaN is announced then, before anyone drops the gradients it describes."""
+        if check.found is None:
+            found = check.found = bool(self.adapter.backend.flag_is_set(check.ready()))
+            params, check.params = check.params, None
+            if found and params is not None and self.listeners:
+                scale, overflows = self.current_scale(), self.iteration.overflows()
+                for listener in self.listeners:
+                    listener.overflow_found(params, check.step, scale, overflows)
+        return check.found
+
+    def _refuse_float16(self, grads: list[Any]) -> None:
+        """Raises torch.amp's ValueError if a gradient is float16 (each dtype asked once)."""
+        known_dtypes = self.adapter.is_float16
+        for dtype in {g.dtype for g in grads}:
+            known = known_dtypes.get(dtype)
+            if known is None:
+                known = known_dtypes[dtype] = \
+                    self.adapter.backend.dtype_name(dtype) == "float16"
+            if known:
+                raise ValueError(
+                    "Attempting to unscale FP16 gradients. GradScaler needs float32"
+                    " parameters (and so float32 gradients): keep the model in float32"
+                    " and let autocast run the low-precision ops."
+                )
+
+    # -- a target's gradients, as the ledger splits and records them -----------------------
+    def split(self, params: list[Any]
+              ) -> tuple[list[Any], list[Any], list[Check], list[Any]]:
+        """``params`` with a gradient that still needs unscaling and those gradients,
+        the checks that already covered others (from the ledger), and the params with
+        neither."""
+        adapter, iteration = self.adapter, self.iteration
+        if iteration.recorded_while_awaiting and \
+                iteration.backward_since_record(adapter.backward_probes):
+            self.ledger.new_backward(adapter.grad_version)  # it ran after the record
+        return self.ledger.split(params, adapter.grad_version)
+
+    def record(self, params: list[Any], grads: list[Any], check: Check,
+               weak: bool) -> None:
+        """Notes in the ledger that ``check`` covered these gradients (``weak``: hold
+        none of them alive)."""
+        iteration, adapter = self.iteration, self.adapter
+        if params and iteration.awaiting_backward and \
+                iteration.still_awaiting(adapter.backward_probes):
+            # A backward through a scale() output made before this record may run after
+            # it: keep the gradients' versions as they are now, to compare with then.
+            iteration.recorded_while_awaiting = True
+            self.ledger.record(params, grads, check, weak=weak, version=adapter.grad_version)
+        else:
+            self.ledger.record(params, grads, check, weak=weak)
+
+    def scaled_or_idle(self, pending: list[Any], idle: list[Any], what: str,
+                       solo: bool) -> tuple[Any, bool]:
+        """Whether ``pending`` may be unscaled: ``(agreement, unscale)`` for ``check``;
+        raises if nothing was scaled since the last update. Except on a rank of a job
+        whose checks are agreed across ranks that had no loss this step (an empty
+        micro-batch, an expert without tokens): its gradients (zeroed in place) are
+        checked as they are, not divided, so that it joins the other ranks' decision."""
+        iteration = self.iteration
+        if iteration.handed_watched or iteration.handed_unwatched:
+            self.require_scaled(what)  # raises only if no backward used the scale
+            return None if solo else False, True
+        agreement = None if solo else self.plan(pending, idle)
+        if agreement is None:
+            self.require_scaled(what)  # raises
+        return agreement, False
+
+    def require_scaled(self, what: str) -> None:
+        """Raises if unscaling now would shrink gradients that were never scaled."""
+        self.iteration.require_scaled(what, self.scale_state.scale,
+                                      self.adapter.backward_probes)
+
+    # -- other ranks (distributed.py) --------------------------------------------------------
+    def solo(self) -> bool:
+        """Whether no other rank takes part in this scaler's decisions (no process
+        group given, one process): then no check needs agreement, and nothing waits in
+        a no_sync() window. One question to the adapter."""
+        collectives = self.adapter.collectives
+        return self.process_group is None and (collectives is None
+                                               or collectives.world_group() is None)
+
+    def plan(self, params: list[Any], idle: Sequence[Any]) -> Any:
+        """The cross-rank agreement a check needs (distributed.py), or None."""
+        if self.solo():
+            return None
+        return distributed.plan(self.backend, params, list(idle), self.process_group)
+
+    # -- traces (_tracing.py has the policy) -----------------------------------------------
+    def traced(self, what: str) -> bool:
+        """Whether ``what`` runs inside a trace, raising where it cannot run there as it
+        does eagerly (then the scale stays on the device: ScaleState.enter_trace)."""
+        tracing = self.adapter.tracing
+        if tracing is None or tracing.trace_mode() is None:
+            return False
+        self.scale_state.enter_trace(tracing, what)
+        return True
+
+    def refuse_in_trace(self, what: str, kind: str) -> None:
+        """Raises if ``what``, a call that needs the host, runs inside a trace."""
+        if self.enabled:
+            tracing = self.adapter.tracing
+            if tracing is not None and tracing.trace_mode() is not None:
+                raise _tracing.refuse(tracing, what, kind)
+
+    def flush_trace_copy(self) -> None:
+        """The adapter calls this right before each traced call starts, outside it."""
+        if self.enabled and self.adapter is not None and self.adapter.tracing is not None:
+            self.scale_state.mirror(self.adapter.tracing)

@@ -1,14 +1,11 @@
-"""The numbers a GradScaler keeps, where they live, and what its adapter provides.
+"""The numbers a GradScaler keeps, and where they live.
 
 ``ScaleState``: the scale (a float32 value), the growth tracker, the hyper-parameters
 and the telemetry, as plain Python numbers on the host; once a fused optimizer steps
-(or a trace runs) the adapter's device-resident scale (``dev``) holds the scale and
-tracker instead, and only where the arithmetic runs changes. It also keeps the adapter's
-device copy of the scale that a ``megengine.jit.trace`` step starts from
+(or a trace runs) the adapter's device-resident scale (``device_scale``) holds the scale
+and tracker instead, and only where the arithmetic runs changes. It also keeps the
+adapter's device copy of the scale that a ``megengine.jit.trace`` step starts from
 (``trace_copy``, _tracing.py), and checkpoints: ``state_dict`` / ``load``.
-
-``Caps``: the adapter's optional capabilities that the state machine calls, asked once
-per scaler (a step asks several times), since they are facts about the adapter's class.
 """
 
 from __future__ import annotations
@@ -19,10 +16,8 @@ from typing import Any
 
 from .. import _tracing
 from ..errors import StateDictError
-from ._ledger import _no_version
-from ._scale_rule import check_factors, f32, next_scale
-from ..interface import (BackwardProbes, Collectives, DeviceResident, DeviceScale,
-                        GradVersions, Tracing, capability)
+from .._scale_rule import check_factors, f32, next_scale
+from ..capabilities import DeviceScale, Tracing
 
 __all__: list[str] = []
 
@@ -31,76 +26,47 @@ _STATE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "_growth_tr
 _COUNTERS = ("steps", "skipped_steps", "last_step_skipped")
 
 
-class Caps:
-    """What one adapter provides beyond the required capabilities, asked once."""
-
-    __slots__ = ("backend", "probes", "version", "resident", "tracer", "collectives",
-                 "fp16")
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.probes = capability(backend, BackwardProbes)
-        versions = capability(backend, GradVersions)
-        self.version = _no_version if versions is None else versions.grad_version
-        self.resident = capability(backend, DeviceResident)
-        self.tracer = capability(backend, Tracing)
-        self.collectives = capability(backend, Collectives)
-        self.fp16: dict[Any, bool] = {}  # dtype -> whether it is float16 (asked once)
-
-    def traced(self, s: ScaleState, what: str) -> bool:
-        """Whether ``what`` runs inside a trace, raising where it cannot run there as it
-        does eagerly (then the scale stays on the device: ScaleState.enter_trace)."""
-        tracer = self.tracer
-        if tracer is None or tracer.trace_mode() is None:
-            return False
-        s.enter_trace(tracer, what)
-        return True
-
-
 class ScaleState:
     """The scale, growth tracker, hyper-parameters and telemetry (see the module's doc)."""
 
-    __slots__ = ("value", "growth_factor", "backoff_factor", "growth_interval", "tracker",
-                 "steps", "skipped_steps", "last_step_skipped", "as_of_step", "dev",
-                 "trace_copy")
+    __slots__ = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                 "growth_tracker", "steps", "skipped_steps", "last_step_skipped", "as_of_step",
+                 "device_scale", "trace_copy")
 
     def __init__(self, scale: float, growth_factor: float, backoff_factor: float,
-                 growth_interval: int, tracker: int = 0, steps: int = 0,
+                 growth_interval: int, growth_tracker: int = 0, steps: int = 0,
                  skipped_steps: int = 0, last_step_skipped: bool = False,
                  as_of_step: int | None = None) -> None:
-        self.value = f32(float(scale))
+        self.scale = f32(float(scale))
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = growth_interval
-        self.tracker = tracker
+        self.growth_tracker = growth_tracker
         self.steps = steps  # updates that followed a check
         self.skipped_steps = skipped_steps
         self.last_step_skipped = last_step_skipped
         # the step the telemetry describes (lags only in device mode)
         self.as_of_step = steps if as_of_step is None else as_of_step
-        self.dev: DeviceScale | None = None  # the adapter's device-resident scale
+        self.device_scale: DeviceScale | None = None  # the adapter's device-resident scale
         self.trace_copy: Any = None  # its copy of the scale for traced steps
 
-    def inv(self) -> float:
-        # The reciprocal in float64, rounded to float32 by the adapter: torch.amp's
-        # "FP32 division can be imprecise" recipe, and what megengine.amp computes too.
-        return 1.0 / self.value if self.value else math.inf
+    def inverse(self) -> float:
+        """1 / scale in float64, rounded to float32 by the adapter: torch.amp's "FP32
+        division can be imprecise" recipe, and what megengine.amp computes too."""
+        return 1.0 / self.scale if self.scale else math.inf
 
     def advance(self, found: bool, counted: bool) -> None:
         """One update() on the host: torch's float32 rule (_scale_rule.py), and, if
         ``counted`` (a check preceded it), one step more in the telemetry."""
-        tracker = self.tracker + 1
+        tracker = self.growth_tracker + 1
         if found or tracker == self.growth_interval:
-            self.value, self.tracker = next_scale(self.value, self.tracker, found,
-                                                  self.growth_factor, self.backoff_factor,
-                                                  self.growth_interval)
+            self.scale, self.growth_tracker = next_scale(
+                self.scale, self.growth_tracker, found, self.growth_factor,
+                self.backoff_factor, self.growth_interval)
         else:  # the usual clean step: only the tracker moves
-            self.tracker = tracker
-        if counted:  # (count() written out: every step)
-            self.steps += 1
-            self.skipped_steps += found
-            self.last_step_skipped = found
-            self.as_of_step = self.steps
+            self.growth_tracker = tracker
+        if counted:
+            self.count(found)
 
     def count(self, skipped: bool) -> None:
         """One step more in the telemetry."""
@@ -110,21 +76,22 @@ class ScaleState:
         self.as_of_step = self.steps
 
     def set(self, value: float) -> None:
-        self.value = value
-        if self.dev is not None:
-            self.dev.load(value, None)
+        """Sets the scale (``scale_factor = ...``), on the device too."""
+        self.scale = value
+        if self.device_scale is not None:
+            self.device_scale.load(value, None)
 
     def sync_from_device(self) -> None:
         """Reads the device-resident scale and tracker back (a sync, as torch.amp's
         get_scale() is)."""
-        if self.dev is not None:
-            self.value, self.tracker = self.dev.read()
+        if self.device_scale is not None:
+            self.scale, self.growth_tracker = self.device_scale.read()
 
     def poll(self) -> None:
         """Takes the newest telemetry that reached the host from the device (no wait)."""
-        snapshot = self.dev.poll() if self.dev is not None else None
+        snapshot = self.device_scale.poll() if self.device_scale is not None else None
         if snapshot is not None:
-            (self.as_of_step, self.value, self.tracker, self.skipped_steps,
+            (self.as_of_step, self.scale, self.growth_tracker, self.skipped_steps,
              self.last_step_skipped) = snapshot
 
     # -- traces --------------------------------------------------------------------------
@@ -132,14 +99,14 @@ class ScaleState:
         """Inside a trace the scale lives on the device from then on, starting from the
         copy brought up to date when the trace started."""
         _tracing.enter(tracer, what, (self.growth_factor, self.backoff_factor))
-        if self.dev is None:
-            self.dev = _tracing.take_copy(tracer, what, self.trace_copy)
+        if self.device_scale is None:
+            self.device_scale = _tracing.take_copy(tracer, what, self.trace_copy)
 
     def mirror(self, tracer: Tracing) -> None:
         """Brings the trace copy up to date with the host's values (outside a trace)."""
-        if self.dev is None:
-            self.trace_copy = _tracing.mirror(tracer, self.trace_copy, self.value,
-                                              self.tracker, self.skipped_steps)
+        if self.device_scale is None:
+            self.trace_copy = _tracing.mirror(tracer, self.trace_copy, self.scale,
+                                              self.growth_tracker, self.skipped_steps)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -147,21 +114,21 @@ class ScaleState:
         number) after "scale", and the telemetry's counters: the same dict on both
         backends, which either framework's own scaler loads (each reads its keys).
         Reads the device-resident values back (a sync, as torch.amp's is)."""
-        if self.dev is not None:
+        if self.device_scale is not None:
             # The read waits for the device, so every telemetry copy queued before it
             # has landed: the counters come from the newest, the scale and tracker from
             # the read (a scale set since the last update has no telemetry copy).
             self.sync_from_device()
-            value, tracker = self.value, self.tracker
+            value, tracker = self.scale, self.growth_tracker
             self.poll()
-            self.value, self.tracker = value, tracker
+            self.scale, self.growth_tracker = value, tracker
         return {
-            "scale": self.value,
-            "scale_factor": self.value,
+            "scale": self.scale,
+            "scale_factor": self.scale,
             "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor,
             "growth_interval": self.growth_interval,
-            "_growth_tracker": self.tracker,
+            "_growth_tracker": self.growth_tracker,
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "last_step_skipped": self.last_step_skipped,
@@ -210,16 +177,16 @@ class ScaleState:
                 _check_counters(state_dict, len(counters))
         except (TypeError, ValueError) as exc:
             raise StateDictError(f"GradScaler state dict is malformed: {exc}") from None
-        self.value = f32(float(scale))
+        self.scale = f32(float(scale))
         self.growth_factor = float(state_dict["growth_factor"])
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = state_dict["growth_interval"]
-        self.tracker = tracker
+        self.growth_tracker = tracker
         if counters:
             self.steps, self.skipped_steps, self.last_step_skipped = counters
             self.as_of_step = self.steps
-        if self.dev is not None:
-            self.dev.load(self.value, tracker, (self.steps, self.skipped_steps,
+        if self.device_scale is not None:
+            self.device_scale.load(self.scale, tracker, (self.steps, self.skipped_steps,
                                                 self.last_step_skipped) if counters else None)
 
 

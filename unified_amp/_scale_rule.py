@@ -2,7 +2,8 @@
 
 Pure Python, the same on every backend: ``next_scale`` is one ``update()`` in torch's
 float32 arithmetic; ``check_factors`` and ``valid_scale`` reject a bad hyper-parameter
-or scale with an error that names it.
+or scale with an error that names it. A leaf below the scaler (scaler/_state.py) and
+the trace policy (_tracing.py), which both use the rule.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import struct
 from typing import Any, Callable
 
-from ..errors import ScalerArgumentError
+from .errors import ScalerArgumentError
 
 __all__ = ["next_scale"]
 

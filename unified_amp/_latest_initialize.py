@@ -1,6 +1,7 @@
 """Which ``amp.initialize()`` call is the latest still alive: apex's module functions
-(opt_levels.py), the pins (pinning.py) and the function registries (cast_registry.py)
-ask. A leaf module, so that none of them imports another for it."""
+(apex/opt_levels.py), the pins (pinning.py) and the function registries
+(apex/cast_registry.py) ask. A leaf module below apex/ and pinning.py, so that none of
+them imports another for it."""
 
 from __future__ import annotations
 
