@@ -117,7 +117,7 @@ def _cpu_and_cuda() -> Iterator[None]:
     not: as tests/native/test_torch_compile.py's GPU-machine test does, since a torch.cuda
     that says a GPU is there makes dynamo start CUDA on a build without one."""
     devices, bf16 = torch_autocast.devices, torch.cuda.is_bf16_supported
-    torch_autocast.devices = lambda device: [device] if device else ["cpu", "cuda"]
+    torch_autocast.devices = lambda device, enabled: [device] if device else ["cpu", "cuda"]
     torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
     try:
         with warnings.catch_warnings():
