@@ -54,9 +54,11 @@ def _scaler(backend: str, device: str) -> amp.GradScaler:
     return amp.GradScaler(device) if backend == "torch" else amp.GradScaler(init_scale=2.0**4)
 
 
-def _unified_autocast(variant: str) -> Callable[[], Any]:
+def _unified_autocast(variant: str, device: str) -> Callable[[], Any]:
+    # On the kit's device: where torch sees a GPU, a block with no device covers CUDA
+    # alone (docs/API.md, "Devices"), and a --device cpu run would time float32.
     contract = variant == "amp.autocast()"
-    return lambda: amp.autocast() if contract else amp.autocast(contract=False)
+    return lambda: amp.autocast(device=device, contract=contract)
 
 
 def _count_torch_calls(kit: Any, w: Any, dtype: str) -> int:
@@ -114,7 +116,8 @@ def eager(run: Any) -> dict[str, Any]:
             w = kit.build(name, size[name], run.opts.seed or 0)
             if variant in ("native", "control"):
                 return w, kit.block(kit.native_step(w, dtype))
-            return w, kit.block(kit.native_step(w, dtype, autocast=_unified_autocast(variant),
+            return w, kit.block(kit.native_step(w, dtype,
+                                                autocast=_unified_autocast(variant, kit.device),
                                                 scaler=_scaler(run.backend, kit.device)))
 
         made = made_in_turn(list(EAGER), make, int(time.time()) + turn)
@@ -122,7 +125,7 @@ def eager(run: Any) -> dict[str, Any]:
         times = interleave(blocks, **sched)
         w = made["native"][0]
         counted = {"native": lambda: kit.native_autocast(dtype),
-                   **{v: _unified_autocast(v) for v in EAGER[2:]}}
+                   **{v: _unified_autocast(v, kit.device) for v in EAGER[2:]}}
         out[name + suffix] = {
             "size": size[name], "dtype": dtype, "native_step_s": spread(times["native"]),
             "ratios": {v: ratios(times[v], times["native"]) for v in EAGER[1:]},
@@ -186,7 +189,8 @@ def _mlp_table(run: Any, dtype: str, sched: dict[str, int], rows: tuple[str, ...
             _, scaler, autocast, contract = next(r for r in ROWS if r[0] == name)
             step = kit.native_step(
                 w, dtype, scaler=_scaler(run.backend, kit.device) if scaler else None,
-                autocast=(lambda: amp.autocast(contract=contract)) if autocast else None)
+                autocast=(lambda: amp.autocast(device=kit.device, contract=contract))
+                if autocast else None)
         return Block(step, sync=kit.synchronize, clock=clock)
 
     names = ["native", "control", *rows]
@@ -308,7 +312,7 @@ def pinning(run: Any) -> dict[str, Any]:
     def make(middle: Callable[[Any], Any]) -> Block:
         def train() -> Any:
             with gm:
-                with amp.autocast():
+                with amp.autocast(device=kit.device):
                     loss = kit.mse(l3(kit.relu(middle(kit.relu(l1(x))))), y)
                 gm.backward(loss)
             gm.zero_grad()
@@ -322,7 +326,7 @@ def pinning(run: Any) -> dict[str, Any]:
     small = x[:2, :4]
 
     def call() -> Any:
-        with amp.autocast():
+        with amp.autocast(device=kit.device):
             return ns.sigmoid(small)
 
     calls = dict(sched, steps=200, warmup=10)

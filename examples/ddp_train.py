@@ -57,7 +57,9 @@ def train_step(model: DDP, optimizer: Any, scaler: amp.GradScaler,
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            with amp.autocast():
+            # the batch's device: ranks without a GPU each train on the CPU, where a
+            # block with no device would cover the machine's GPU instead
+            with amp.autocast(device=x.device.type):
                 loss = F.cross_entropy(model(x), y) / len(micro_batches)
             scaler.scale(loss).backward()
         total += loss.item()
@@ -116,7 +118,7 @@ def train(steps: int = 60, micro_batches: int = 2, micro_batch_size: int = 16,
         scales.append(scaler.get_scale())
         stepped.append(did_step)
 
-    with torch.no_grad(), amp.autocast():
+    with torch.no_grad(), amp.autocast(device=device.type):
         accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
     return {"rank": rank, "world": world, "device": str(device),
             "backend": dist.get_backend(), "losses": losses, "scales": scales,

@@ -59,7 +59,9 @@ def _unified_no_contract(x):
 
 
 def _unified_every_device(x):
-    with amp.autocast(dtype="bfloat16"):  # CPU and (fake) CUDA
+    # A GPU machine's default block covers CUDA; the CPU block nested in it adds the CPU
+    # (docs/API.md, "Devices")
+    with amp.autocast(dtype="bfloat16"), amp.autocast(dtype="bfloat16", device="cpu"):
         return torch.mm(x, x).sum()
 
 
@@ -113,11 +115,12 @@ def _made_outside() -> Callable:
 
 @contextlib.contextmanager
 def _cpu_and_cuda() -> Iterator[None]:
-    """The adapter sees a GPU (a block with no device covers CPU and CUDA), torch does
+    """The adapter sees a GPU (an enabled block with no device covers CUDA), torch does
     not: as tests/native/test_torch_compile.py's GPU-machine test does, since a torch.cuda
     that says a GPU is there makes dynamo start CUDA on a build without one."""
     devices, bf16 = torch_autocast.devices, torch.cuda.is_bf16_supported
-    torch_autocast.devices = lambda device, enabled: [device] if device else ["cpu", "cuda"]
+    torch_autocast.devices = lambda device, enabled: (
+        [device] if device else ["cuda"] if enabled else ["cpu", "cuda"])
     torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
     try:
         with warnings.catch_warnings():

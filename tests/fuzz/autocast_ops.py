@@ -176,10 +176,11 @@ class TorchSide:
         if side == "native":
             outer = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
             inner = lambda enabled: torch.autocast("cpu", dtype=low, enabled=enabled)  # noqa: E731
-        else:
-            outer = lambda: amp.autocast(dtype=p.low, contract=contract)  # noqa: E731
+        else:  # the CPU's, as the native's: a block with no device covers CUDA alone
+            # where torch sees a GPU (docs/API.md, "Devices")
+            outer = lambda: amp.autocast(dtype=p.low, device="cpu", contract=contract)  # noqa: E731
             inner = lambda enabled: amp.autocast(  # noqa: E731
-                enabled=enabled, dtype=p.low, contract=contract)
+                enabled=enabled, dtype=p.low, device="cpu", contract=contract)
         return outer, inner
 
     def function(self, p, side, contract):

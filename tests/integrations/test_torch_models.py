@@ -248,18 +248,50 @@ def test_gpt2_compiled_with_amp_autocast_gives_torch_autocasts_graphs(compiled_n
     assert all(torch.equal(a, b) for a, b in zip(ours["grads"], compiled_native["grads"]))
 
 
+def _float32_ops():
+    """The aten ops (as graph nodes name them) the contract's table puts in float32."""
+    from unified_amp.dtype_contract import ROWS
+
+    names = set()
+    for r in ROWS:
+        if r.rule == "float32":
+            for a in r.aten:
+                names.add(f"aten.{a}" if "." in a else f"aten.{a}.default")
+    return names
+
+
 def test_gpt2_compiled_with_the_contract_compiles_torch_autocasts_pieces(compiled_native):
     """With the contract on, dynamo gives up on the compiled function holding the block
     (docs/COMPILE.md, "Graph breaks") and says so once; GPT-2's own forward and loss are
     then compiled on their own, split at the same break: the same non-empty graphs, op
-    for op and dtype for dtype (the contract changes no op of GPT-2 on CPU: its
-    attention runs through SDPA and its layer norms get float32 inputs), no more graph
-    breaks than torch.autocast's, and the same loss."""
+    for op, no more graph breaks than torch.autocast's, and a loss within bfloat16's
+    error of its loss. Where a dtype differs it is the contract's table at work, torch's
+    CUDA policy on the CPU: a run of float32 ops that starts at an op the table puts in
+    float32 (GPT-2's tanh GELU: `pow`, and the elementwise ops that follow it by type
+    promotion), with the casts in and out (`_to_copy`) the only ops added."""
     with pytest.warns(amp.CompileWarning, match="loss_of"):
         ours = compiled_gpt2(lambda: amp.autocast("cpu", dtype=torch.bfloat16))
-    assert [g for g in ours["ops"] if g] == [g for g in compiled_native["ops"] if g]
+    mine = [g for g in ours["ops"] if g]
+    native = [g for g in compiled_native["ops"] if g]
+
+    def computing(graph):
+        return [(op, dtype) for op, dtype in graph if op != "aten._to_copy.default"]
+
+    assert [[op for op, _ in computing(g)] for g in mine] == \
+        [[op for op, _ in computing(g)] for g in native]
+    float32_ops, changed = _float32_ops(), 0
+    for a, b in zip(mine, native):
+        in_run = False
+        for (op, dtype), (_, native_dtype) in zip(computing(a), computing(b)):
+            if dtype == native_dtype:
+                in_run = False
+                continue
+            assert dtype == torch.float32 and native_dtype == torch.bfloat16, (op, dtype)
+            assert in_run or op in float32_ops, f"{op} went float32 where no row says so"
+            in_run, changed = True, changed + 1
+    assert changed, "the contract changed no op of GPT-2: its GELU's pow is float32's row"
     assert sum(n for _, n in ours["breaks"]) <= sum(n for _, n in compiled_native["breaks"])
-    assert torch.equal(ours["loss"], compiled_native["loss"])
+    assert torch.allclose(ours["loss"], compiled_native["loss"], rtol=1e-2)
 
 
 # -- GPT-2's whole training step compiled -------------------------------------------------

@@ -218,3 +218,21 @@ def test_zeroing_the_stale_gradients_lets_the_step_go_on():
         F.binary_cross_entropy_with_logits(d(g(noise)), torch.ones(16, 1)).backward()
         want = torch.cat([p.grad.flatten() for p in g.parameters()])
         assert abs(got.norm() / want.norm() - 1) < 0.05, (got.norm(), want.norm())
+
+
+def test_o1_casts_a_cpu_model_where_torch_also_sees_a_gpu(monkeypatch):
+    """Where torch sees a GPU, a block with no device covers CUDA alone (docs/API.md,
+    "Devices"); O1's forward autocasts on the model's own device, so a CPU model there
+    still computes its linears in the low dtype. Only the adapter is told of a GPU, as
+    test_torch_compile's GPU-machine test does."""
+    from unified_amp.backends.torch_backend import autocast as torch_autocast
+
+    monkeypatch.setattr(torch_autocast, "devices", lambda device, enabled: (
+        [device] if device else ["cuda"] if enabled else ["cpu", "cuda"]))
+    model = generator()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", low_dtype="bfloat16")
+    seen = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    model(torch.randn(8, 4))
+    assert seen == [torch.bfloat16]

@@ -5,7 +5,10 @@ each version must show.
 
 Most cases compile with a recording backend that runs AOTAutograd as ``aot_eager`` does
 and keeps every graph it is given, so the tests count graphs and compare the compiled
-ops; a few use inductor and its on-disk cache, in this process and across two."""
+ops; a few use inductor and its on-disk cache, in this process and across two.
+
+The models are on the CPU, so the blocks say device="cpu": where torch sees a GPU, a
+block with no device covers CUDA alone (docs/API.md, "Devices")."""
 
 import logging
 import os
@@ -94,7 +97,7 @@ def native_loss(model, x, y):
 
 def _with_unified(contract):
     def f(model, x, y):
-        with amp.autocast(dtype=BF16, contract=contract):
+        with amp.autocast(dtype=BF16, device="cpu", contract=contract):
             return loss_of(model, x, y)
     return f
 
@@ -108,13 +111,14 @@ def _with_torch_form(contract):
 
 def _with_megengine_form(contract):
     def f(model, x, y):
-        with amp.autocast(True, low_prec_dtype="bfloat16", contract=contract):
+        with amp.autocast(True, low_prec_dtype="bfloat16", device="cpu", contract=contract):
             return loss_of(model, x, y)
     return f
 
 
 def _decorated_inside(contract):
-    inner = amp.autocast(dtype="bfloat16", contract=contract)(loss_of)  # made outside
+    # made outside
+    inner = amp.autocast(dtype="bfloat16", device="cpu", contract=contract)(loss_of)
 
     def f(model, x, y):
         return inner(model, x, y)
@@ -122,12 +126,13 @@ def _decorated_inside(contract):
 
 
 def _decorated_outside(contract):
-    return amp.autocast(dtype="bfloat16", contract=contract)(loss_of)
+    return amp.autocast(dtype="bfloat16", device="cpu", contract=contract)(loss_of)
 
 
 def _reentered(contract):
     def f(model, x, y):
-        ctx = amp.autocast(dtype="bfloat16", contract=contract)  # one instance, twice
+        # one instance, twice
+        ctx = amp.autocast(dtype="bfloat16", device="cpu", contract=contract)
         with ctx:
             with ctx:
                 h = model(x)
@@ -191,10 +196,10 @@ def test_nested_blocks_trace_whole_and_keep_their_own_rules():
     model, (x, y) = net(), data()
 
     def f(model, x, y):
-        with amp.autocast(dtype=BF16):
+        with amp.autocast(dtype=BF16, device="cpu"):
             h = model(x)
             a = F.log_softmax(h, -1)
-            with amp.autocast(dtype=BF16, contract=False):
+            with amp.autocast(dtype=BF16, device="cpu", contract=False):
                 b = F.log_softmax(h, -1)
                 with amp.autocast(enabled=False):
                     c = F.log_softmax(model(x), -1)
@@ -379,7 +384,7 @@ def test_a_block_object_made_outside_the_compiled_function():
     eager block's numbers. Until issue 33 it broke the graph at its ``with`` before
     torch 2.14, and ``fullgraph=True`` raised."""
     def made_outside():
-        ctx = amp.autocast(dtype=BF16)
+        ctx = amp.autocast(dtype=BF16, device="cpu")
 
         def f(x):
             with ctx:
@@ -387,7 +392,7 @@ def test_a_block_object_made_outside_the_compiled_function():
         return f
 
     x = torch.randn(4, 4)
-    with amp.autocast(dtype=BF16):
+    with amp.autocast(dtype=BF16, device="cpu"):
         expected = F.log_softmax(x @ x, -1)
     assert torch.equal(torch.compile(made_outside(), backend="aot_eager")(x), expected)
     assert not torch.is_autocast_enabled("cpu")
@@ -408,7 +413,7 @@ def test_first_use_of_the_library_can_be_inside_a_compiled_function():
 
         @torch.compile(fullgraph=True, backend="aot_eager")
         def f(x):
-            with amp.autocast(dtype=torch.bfloat16):
+            with amp.autocast(dtype=torch.bfloat16, device="cpu"):
                 return torch.log_softmax(x @ x, -1)
 
         print(f(torch.randn(4, 4)).dtype, f(torch.randn(4, 4)).dtype)
@@ -434,7 +439,7 @@ def _kinds(shape):
             return body(x)
 
     def unified_inside(x):
-        with amp.autocast(dtype=BF16):
+        with amp.autocast(dtype=BF16, device="cpu"):
             return body(x)
 
     return body, native_inside, unified_inside
@@ -449,7 +454,7 @@ def _run_in_order(order, backend, reset, shape, forms=("around", "inside", "arou
     inside = {"native": torch.compile(native_inside, backend=backend),
               "unified": torch.compile(unified_inside, backend=backend)}
     outer = {"native": lambda: torch.autocast("cpu", dtype=BF16),
-             "unified": lambda: amp.autocast(dtype=BF16)}
+             "unified": lambda: amp.autocast(dtype=BF16, device="cpu")}
     x = torch.randn(4, shape[0])
     seen = {}
     with torch.no_grad():
@@ -480,7 +485,7 @@ def test_each_side_gets_its_own_dtypes_in_one_process(order, reset):
 
 @pytest.mark.filterwarnings("ignore:.*CUDA is not available")
 def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(monkeypatch):
-    """With a GPU present, entering a block (device None: CPU and CUDA) asks torch.cuda
+    """With a GPU present, entering a block (device None: CUDA there) asks torch.cuda
     whether the device computes bfloat16; dynamo cannot trace that query (it returns a
     bool, not a tensor), and asked inside a compiled function it broke the graph on a
     real GPU. Here the adapter sees a GPU and the query is one dynamo cannot trace: the
@@ -490,8 +495,8 @@ def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(monkey
     driver, a torch.cuda that says a GPU is there makes dynamo itself start CUDA (its
     stream tracking asks torch.accelerator), which fails. torch.autocast("cuda") then
     warns, while tracing, that CUDA is absent; that is torch's, not the block's."""
-    monkeypatch.setattr(torch_autocast, "devices",
-                        lambda device, enabled: [device] if device else ["cpu", "cuda"])
+    monkeypatch.setattr(torch_autocast, "devices", lambda device, enabled: (
+        [device] if device else ["cuda"] if enabled else ["cpu", "cuda"]))
     asked_while_tracing = []
 
     def untraceable(*args, **kwargs):
@@ -503,11 +508,12 @@ def test_on_a_gpu_machine_the_blocks_cuda_questions_stay_out_of_the_graph(monkey
     model, (x, y) = net(), data()
 
     def unified_loss(model, x, y):
-        with amp.autocast(dtype=BF16):  # device None: CPU and (here) CUDA
+        # device None: (here) CUDA; the nested block adds the CPU, where the model is
+        with amp.autocast(dtype=BF16), amp.autocast(dtype=BF16, device="cpu"):
             return loss_of(model, x, y)
 
     compiled = torch.compile(unified_loss, backend="aot_eager", fullgraph=True)
-    with amp.autocast(dtype=BF16):
+    with amp.autocast(dtype=BF16), amp.autocast(dtype=BF16, device="cpu"):
         expected = loss_of(model, x, y).detach()
     asked_while_tracing.clear()
     assert torch.equal(compiled(model, x, y).detach(), expected)  # one graph: no break
@@ -542,7 +548,7 @@ def test_each_side_gets_its_own_dtypes_across_processes_sharing_inductors_cache(
         for kind, n in zip(sys.argv[1:], (3, 9)):  # graph A is 8x3, graph B 8x9
             w = torch.ones(8, n)
             f = torch.compile(lambda x: F.log_softmax(x @ w, -1), backend="inductor")
-            ctx = (amp.autocast(dtype=torch.bfloat16) if kind == "unified"
+            ctx = (amp.autocast(dtype=torch.bfloat16, device="cpu") if kind == "unified"
                    else torch.autocast("cpu", dtype=torch.bfloat16))
             with torch.no_grad(), ctx:
                 out.append(str(f(torch.randn(4, 8)).dtype))
@@ -590,7 +596,7 @@ def train(native, compiled, optimizer, steps=4, overflow_at=1):
         autocast = lambda: torch.autocast("cpu", dtype=BF16)  # noqa: E731
     else:
         scaler = amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
-        autocast = lambda: amp.autocast(dtype=BF16, contract=False)  # noqa: E731
+        autocast = lambda: amp.autocast(dtype=BF16, device="cpu", contract=False)  # noqa: E731
     if compiled == "model":
         model = torch.compile(model, backend="aot_eager")
     if compiled == "opt.step":
@@ -627,7 +633,8 @@ def _compiled_step_graph_ops(native):
     if native:
         scaler, block = torch.amp.GradScaler("cpu"), lambda: torch.autocast("cpu", dtype=BF16)
     else:
-        scaler, block = amp.GradScaler("cpu"), lambda: amp.autocast(dtype=BF16, contract=False)
+        scaler = amp.GradScaler("cpu")
+        block = lambda: amp.autocast(dtype=BF16, device="cpu", contract=False)  # noqa: E731
     rec = Recorder()
     step = torch.compile(amp_step(model, opt, scaler, block), backend=rec)
     for i in range(2):

@@ -23,8 +23,8 @@ _PROGRAM = textwrap.dedent("""
     contract = sys.argv[1] == "on"
     # "early": the block object is made before torch is imported, so the adapter is
     # loaded by the block's entry, inside the abandoned frame
-    EARLY = amp.autocast(dtype="bfloat16", contract=contract) if sys.argv[2] == "early" \
-        else None
+    EARLY = amp.autocast(dtype="bfloat16", device="cpu", contract=contract) \
+        if sys.argv[2] == "early" else None
     import torch
 
     def make(block):
@@ -37,7 +37,8 @@ _PROGRAM = textwrap.dedent("""
                 return x @ W["w"]
         return step
 
-    unified = make(lambda: EARLY or amp.autocast(dtype="bfloat16", contract=contract))
+    unified = make(lambda: EARLY or amp.autocast(dtype="bfloat16", device="cpu",
+                                                 contract=contract))
     native = make(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     out = {}
     with warnings.catch_warnings(record=True) as seen:
@@ -91,10 +92,11 @@ _OUTSIDE = textwrap.dedent("""
     import torch, torch.nn.functional as F, unified_amp as amp
 
     contract = sys.argv[1] == "on"
-    CTX = amp.autocast(dtype="bfloat16", contract=contract)
+    CTX = amp.autocast(dtype="bfloat16", device="cpu", contract=contract)
     NATIVE = torch.autocast("cpu", dtype=torch.bfloat16)
     cpu_only = False
     ctx = contextlib.nullcontext() if cpu_only else amp.autocast(dtype="bfloat16",
+                                                                device="cpu",
                                                                 contract=contract)
     native_ctx = contextlib.nullcontext() if cpu_only else torch.autocast("cpu",
                                                                           dtype=torch.bfloat16)

@@ -67,10 +67,14 @@ def prepare(state: Any, models: list[Any], optimizers: list[Any]) -> None:
                                 bool(props.keep_batchnorm_fp32),
                                 skip=pinned_modules(model, backend))
     for model in models:
+        # On the model's device: a block with no device covers CUDA alone where torch
+        # sees a GPU (docs/API.md, "Devices"), and would leave a CPU model in float32.
+        params = list(model.parameters())
         setattr(model, _MODEL_ATTR, _Forward(
             model.forward,
             inputs=props.cast_model_type if props.casts_model else None,
-            autocast_dtype=props.low_dtype if props.autocast else None))
+            autocast_dtype=props.low_dtype if props.autocast else None,
+            device=backend.device_type(params[0]) if params else None))
         if props.opt_level != "O0":
             model.forward = types.MethodType(_amp_forward, model)
     for opt in optimizers:
@@ -139,10 +143,12 @@ def state_of(optimizers: list[Any], latest: Any) -> Any:
 class _Forward:
     """A model's original forward and what to do around it."""
 
-    def __init__(self, inner: Any, inputs: str | None, autocast_dtype: str | None):
+    def __init__(self, inner: Any, inputs: str | None, autocast_dtype: str | None,
+                 device: str | None = None):
         self.inner = inner
         self.inputs = inputs
-        self.autocast = None if autocast_dtype is None else autocast(dtype=autocast_dtype)
+        self.autocast = None if autocast_dtype is None else \
+            autocast(dtype=autocast_dtype, device=device)
 
 
 def _amp_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
