@@ -230,6 +230,13 @@ def fake_cuda(value=0):
             stack.enter_context(mock.patch.object(
                 torch._C, "_select_conv_backend",
                 lambda *a, **k: torch._C._ConvBackend.Slow2d))
+            # Likewise cuDNN's RNN and the fused attention kernels, which ask the device
+            # whether they may run: the LSTM and the attention take the kernels they take
+            # on a CPU build (make test's fake CUDA); cuDNN's and the fused kernels' own
+            # dtypes are a GPU run's to check (the contract's cuda cases).
+            stack.enter_context(torch.backends.cudnn.flags(enabled=False))
+            stack.enter_context(torch.nn.attention.sdpa_kernel(
+                [torch.nn.attention.SDPBackend.MATH]))
         stack.enter_context(torch.no_grad())  # bypass 5
         if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_sgd_", "Meta"):
             meta = torch.library.Library("aten", "IMPL")  # bypass 9, undone on exit

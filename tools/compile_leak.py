@@ -166,6 +166,14 @@ def _cycle(form: Form, x: torch.Tensor) -> None:
     torch._dynamo.reset()
     # dynamo keeps the metrics of its last 64 compiles: bounded, and no block's doing.
     torch._dynamo.utils.clear_compilation_metrics()
+    # Nor is its metrics context's record of who set which metric (two entries a compile,
+    # never cleared: plain torch.compile grows it too, torch 2.10-2.13). A block whose
+    # frame dynamo gives up on makes more compiles (its callees) than the torch.autocast
+    # form it is held to, so this would count compiles, not what a block leaves.
+    context = getattr(torch._dynamo.utils, "get_metrics_context", None)
+    edits = getattr(context(), "_edits", None) if context is not None else None
+    if isinstance(edits, list):
+        edits.clear()
     gc.collect()
 
 

@@ -34,6 +34,7 @@ import contextlib
 import inspect
 import sys
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -235,30 +236,48 @@ def _enter_eagerly(devs: list[str], dtypes: list[torch.dtype], enabled: bool,
 # -- blocks dynamo gave up on ---------------------------------------------------------------
 
 # Code objects of functions whose trace entered a block and never left it: dynamo gave
-# up on the frame (a graph break inside the block) and is about to run it eagerly.
-_abandoned: dict[Any, None] = {}  # in the order the traces entered their blocks
+# up on the frame (a graph break inside the block) and is about to run it eagerly. Each
+# with the trace that entered (a weak reference to dynamo's root translator: a restarted
+# analysis is a new one) and how many of its blocks are open: a nested block left before
+# the break must not take the frame off the list.
+_abandoned: dict[Any, tuple[Any, int]] = {}  # in the order the traces entered their blocks
 _warned: set[Any] = set()
 
 
-def _traced_frame_code() -> Any:
-    """The code dynamo is compiling (its root frame), asked while it traces."""
+def _current_trace() -> Any:
+    """dynamo's root translator (the frame it is compiling), asked while it traces."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        return InstructionTranslator.current_tx().f_code
+        return InstructionTranslator.current_tx()
     except Exception:  # dynamo's internals moved: no warning rather than a failure
         return None
 
 
+def _traced_frame_code() -> Any:
+    """The code dynamo is compiling (its root frame), asked while it traces."""
+    tx = _current_trace()
+    return getattr(tx, "f_code", None)
+
+
 def _trace_entered() -> None:
-    code = _traced_frame_code()
-    if code is not None:
-        _abandoned.pop(code, None)  # to the end: the latest trace
-        _abandoned[code] = None
+    tx = _current_trace()
+    code = getattr(tx, "f_code", None)
+    if code is None:
+        return
+    trace, depth = _abandoned.pop(code, (None, 0))  # to the end: the latest trace
+    _abandoned[code] = (weakref.ref(tx), depth + 1 if trace is not None and trace() is tx else 1)
 
 
 def _trace_left() -> None:
-    _abandoned.pop(_traced_frame_code(), None)
+    code = _traced_frame_code()
+    if code not in _abandoned:
+        return
+    trace, depth = _abandoned[code]
+    if depth > 1:
+        _abandoned[code] = (trace, depth - 1)
+    else:
+        del _abandoned[code]
 
 
 # dynamo runs these as they are while it traces (the marker torch.compiler.

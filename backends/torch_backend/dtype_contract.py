@@ -182,6 +182,16 @@ def _autocast_off(dev: str) -> Any:
         else _EagerAutocastOff(dev)
 
 
+def _first_eligible(args: Any, kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The dtype of the call's first tensor that autocast would cast, or None.
+    (A loop: dynamo 2.7-2.8 cannot trace ``next()`` with a default, and breaks the graph
+    inside the block.)"""
+    for t in _tensors(args, []) + _tensors(list(kwargs.values()), []):
+        if t.dtype in _ELIGIBLE:
+            return t.dtype
+    return None
+
+
 def _widest(dtypes: set[torch.dtype]) -> torch.dtype:
     out = torch.float16 if torch.float16 in dtypes else torch.bfloat16
     for dtype in dtypes:
@@ -235,8 +245,7 @@ def _handler(row: table.Row, where: frozenset[str]) -> Handler:
         # "input": the op as without autocast; a low-precision input computed in float32
         # (where torch's own autocast on this device upcasts, or has no low kernel) and
         # returned in its dtype
-        first = next((t.dtype for t in _tensors(args, []) + _tensors(list(kwargs.values()), [])
-                      if t.dtype in _ELIGIBLE), None)
+        first = _first_eligible(args, kwargs)
         if row.follows_first and first in LOW or (len(dtypes) == 1 and first in LOW):
             return in_float32(func, args, kwargs, dev, first)
         with _autocast_off(dev):

@@ -332,6 +332,31 @@ def test_a_graph_break_inside_a_contract_block_keeps_dtypes_and_contract_and_say
     assert leaked == 0  # torch's nesting counter is back where it was
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["disabled", "enabled"])
+def test_a_block_nested_and_left_before_the_break_keeps_the_warning(nested, quiet_logging):
+    """A nested block entered and left while dynamo traces, then a graph break in the
+    outer block: dynamo still gives up on the frame, and that is said once. (The
+    nested block's exit once cleared the frame's record, and the warning was lost.)"""
+    model, head, x = net()[:1], Head(), data()[0]
+
+    def f(x):
+        with amp.autocast("cpu", dtype=BF16):
+            with amp.autocast("cpu", dtype=BF16, enabled=not nested):
+                h = model(x)
+            BREAKS["logging"]()
+            return head(h)
+
+    with amp.autocast("cpu", dtype=BF16):
+        with amp.autocast("cpu", dtype=BF16, enabled=not nested):
+            h = model(x)
+        expected = head(h)
+    rec, out, warned = _graphs_and_loss(f, x)
+    assert torch.equal(out, expected)
+    assert len(warned) == 1 and "in f (" in str(warned[0].message)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_a_decorated_function_splits_at_a_graph_break_inside_it(quiet_logging):
     """The decorator's wrapper holds nothing but the call, so where dynamo gives up on
     it, the decorated function itself is compiled on its own frame, splitting at the

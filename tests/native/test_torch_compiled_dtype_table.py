@@ -34,6 +34,34 @@ def kept(kind):
 # Rows dynamo cannot put in one graph whatever the mode does: CTC loss's output shape
 # depends on its inputs' values ("Dynamic shape operator").
 UNTRACEABLE = {"CTC loss"}
+# ... on some torches: torch 2.7's quantile checks its input with aten.equal, whose
+# bool output depends on the values ("Data dependent operator"), without any autocast.
+# Left out where plain torch cannot compile the row's call whole.
+UNTRACEABLE_ON_SOME_TORCH = {"quantile"}
+
+
+def torch_alone_compiles(r):
+    inp = inputs()
+    args = [torch.from_numpy(inp[n]) for n in dtypes(r.torch_call, "float32", LOW)]
+    fn = eval(f"lambda {', '.join(names(r.torch_call))}: {r.torch_call}",  # noqa: S307
+              {"torch": torch, "F": F})
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend="eager", fullgraph=True)(*args)
+        return True
+    except torch._dynamo.exc.Unsupported:
+        return False
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def untraceable_here():
+    left_out = {r.name for r in ROWS if r.name in UNTRACEABLE_ON_SOME_TORCH
+                and not torch_alone_compiles(r)}
+    UNTRACEABLE.update(left_out)
+    yield
+    UNTRACEABLE.difference_update(left_out)
 
 
 @pytest.mark.parametrize("kind", ["float32", "low"])
