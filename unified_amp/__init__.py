@@ -57,7 +57,7 @@ from .scaler import GradScaler
 # The modules' paths before apex/ was a package: `from unified_amp import opt_levels`.
 from .apex import cast_registry, opt_levels  # noqa: F401
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "autocast",
