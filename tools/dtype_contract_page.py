@@ -39,6 +39,9 @@ def _code(names: tuple[str, ...]) -> str:
 
 def _notes(r: Row) -> str:
     notes = []
+    if r.torch_since:
+        notes.append(f"From torch {r.torch_since} on; earlier torches lack the op (the tests"
+                     " check that they do).")
     if r.rule == "promote":
         notes.append("mixed float32/low inputs: float32.")
     if r.reason:

@@ -63,13 +63,18 @@ def _recorded() -> dict[str, frozenset[str]]:
     cuda = table.CUDA_REGISTRATIONS
     if torch.backends.cuda.is_built():
         cuda = cuda | _CUDA_BUILD_ONLY
-    return {"cpu": table.CPU_REGISTRATIONS, "cuda": cuda}
+    later = {dev: frozenset(op for op, keys in table.LATER_REGISTRATIONS.items() if key in keys)
+             for dev, key in _KEYS.items()}
+    return {"cpu": table.CPU_REGISTRATIONS | later["cpu"], "cuda": cuda | later["cuda"]}
 
 
 def drifted(row: table.Row, dev: str) -> bool:
     """Whether this torch registers ``row``'s ops on ``dev``'s Autocast key otherwise
     than the torch the table was derived from (an older torch): then what torch's own
-    autocast gives the row there is not the table's to say."""
+    autocast gives the row there is not the table's to say. A row this torch predates
+    (``Row.torch_since``) drifts nowhere: it has nothing to keep."""
+    if not row.on_torch(torch.__version__):
+        return False
     recorded = _recorded()[dev]
     return any(_registered(op, _KEYS[dev]) != (op in recorded) for op in row.aten)
 

@@ -16,7 +16,7 @@ import numpy as np
 from unified_amp.dtype_contract import ROWS, SAMPLES, Row, expected_dtype, row
 
 __all__ = ["ROWS", "Row", "row", "inputs", "names", "dtypes", "expected", "label",
-           "round_through", "call_of", "CASES", "NOT_TRAINED"]
+           "round_through", "call_of", "on_this_torch", "torch_has", "CASES", "NOT_TRAINED"]
 
 LOWS = ("float16", "bfloat16")
 # Sample tensors no gradient reaches: targets, batch norm's running statistics, the
@@ -103,8 +103,37 @@ def expected(r: Row, kind: str, low: str, call: str | None = None) -> str:
     return expected_dtype(r.rule, data, params, low)
 
 
+def on_this_torch(r: Row) -> bool:
+    """Whether the running torch is one the row exists on (``Row.torch_since``)."""
+    if not r.torch_since:
+        return True
+    import torch
+
+    return r.on_torch(torch.__version__)
+
+
+def torch_has(r: Row) -> list[str]:
+    """Which of the row's torch spellings and dispatcher ops the running torch has."""
+    import torch
+
+    from unified_amp.backends.torch_backend.dtype_contract import resolve
+
+    found = [s for s in r.torch if resolve(s) is not None]
+    for op in r.aten:
+        try:
+            torch._C._get_schema(f"aten::{op.partition('.')[0]}", op.partition(".")[2])
+        except RuntimeError:  # "Found no matching schema": no such op in this torch
+            continue
+        found.append(op)
+    return found
+
+
 def call_of(r: Row, framework: str) -> str | None:
-    return r.torch_call if framework == "torch" else r.megengine_call
+    """The row's sample call on ``framework``; None where it lacks the op (MegEngine's
+    absent rows; on torch, a row from a later torch than the running one)."""
+    if framework == "torch":
+        return r.torch_call if on_this_torch(r) else None
+    return r.megengine_call
 
 
 def _word(dtype: str, low: str) -> str:

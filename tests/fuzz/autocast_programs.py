@@ -12,6 +12,7 @@ their sample calls in ``autocast_ops``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import random
 from dataclasses import dataclass, field
 
@@ -32,8 +33,19 @@ def native_raises(r, framework: str) -> bool:
     return "error" in r.native(framework).replace("mixed: error", "")
 
 
+def on_installed_torch(r) -> bool:
+    """Whether the installed torch has the row's op (``Row.torch_since``), read from the
+    package's metadata, not by importing torch; with no torch installed, only the rows
+    every torch has."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return not r.torch_since
+    return r.on_torch(version)
+
+
 OPS = tuple(r.name for r in ROWS if r.name in ALL_OPS and r.torch_call and not r.compiled
-            and not native_raises(r, "torch-cpu"))
+            and not native_raises(r, "torch-cpu") and on_installed_torch(r))
 LOSSES = ("cross_entropy", "mse", "bce_with_logits", "nll")
 
 # Where torch.compile is made to break the graph or give up on the frame

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import unified_amp as amp
 from unified_amp.backends.torch_backend import dtype_contract as adapter
 
-from ..contract.dtype_table import ROWS, dtypes, expected, inputs, names
+from ..contract.dtype_table import ROWS, call_of, dtypes, expected, inputs, names
 
 pytestmark = pytest.mark.timeout(900)
 LOW = "bfloat16"
@@ -26,7 +26,7 @@ def kept(kind):
     """The rows the mode keeps on the CPU (nothing of ours runs for the others), with a
     torch call; not the refusal, nor an FFT of a bfloat16 input: both raise, eagerly
     and compiled alike (tests/contract)."""
-    return [r for r in ROWS if r.torch_call and "cpu" in adapter.handled_devices(r)
+    return [r for r in ROWS if call_of(r, "torch") and "cpu" in adapter.handled_devices(r)
             and r.rule != "refuse" and not (r.no_bfloat16 and kind != "float32")
             and r.name not in UNTRACEABLE]
 

@@ -22,7 +22,7 @@ import unified_amp as amp
 from unified_amp import dtype_contract as table
 from unified_amp.backends.torch_backend import dtype_contract as adapter
 
-from ..contract.dtype_table import ROWS, expected, inputs, row
+from ..contract.dtype_table import ROWS, call_of, expected, inputs, on_this_torch, row
 from ..fake_cuda import FakeCudaKit, fc, report_a_gpu  # noqa: F401 (fc is a fixture)
 
 pytestmark = pytest.mark.fake_cuda
@@ -53,7 +53,8 @@ def run(fc, r, kind, low, block):
     return str(out.dtype).removeprefix("torch.")
 
 
-RUNNABLE = [r.name for r in ROWS if r.torch_call and not r.fake_cuda]
+# (rows from a later torch than this one: test_dtype_table.py checks their op is absent)
+RUNNABLE = [r.name for r in ROWS if call_of(r, "torch") and not r.fake_cuda]
 # Whether this torch's AutocastCUDA keeps the whole contract by itself (torch 2.13, the
 # table's torch: yes). An older torch's registrations may differ: then a CUDA block
 # pushes the contract's mode for those rows (docs/DTYPE_CONTRACT.md, "Devices").
@@ -272,6 +273,21 @@ def test_every_autocast_registration_lands_in_a_row():
         assert _registrations("AutocastCUDA") == table.CUDA_REGISTRATIONS
         assert _registrations("AutocastCPU") == table.CPU_REGISTRATIONS
         assert len(registered) == 207
+
+
+@pytest.mark.parametrize("name", [r.name for r in ROWS if r.torch_since])
+def test_a_row_from_a_later_torch_is_registered_as_recorded_from_that_torch_on(name):
+    """A row that exists from ``torch_since`` on: on that torch and later, each of its
+    ops has the Autocast kernels ``LATER_REGISTRATIONS`` records (so the adapter counts
+    it as the table's, not drifted); on an earlier torch, the dispatcher has no such op."""
+    r = row(name)
+    for op in r.aten:
+        if on_this_torch(r):
+            assert _keys(op) == table.LATER_REGISTRATIONS[op], op
+            assert not adapter.drifted(r, "cpu") and not adapter.drifted(r, "cuda")
+        else:
+            with pytest.raises(RuntimeError, match="no matching schema"):
+                torch._C._get_schema(f"aten::{op.partition('.')[0]}", op.partition(".")[2])
 
 
 def test_the_mode_covers_cuda_only_where_this_torch_registers_differently(monkeypatch):

@@ -17,7 +17,8 @@ What ``torch.autocast("cuda")`` gives an op is what the op gives inside an enabl
 Each row's rule was found by running the row's sample call under ``torch.autocast
 ("cuda")`` (tests/native/test_torch_fake_cuda_dtypes.py runs it again on every CI run),
 not by reading a list; ``CUDA_REGISTRATIONS`` is the set of AutocastCUDA registrations
-it was derived from. A backend or device whose own autocast differs on a row keeps
+it was derived from (``LATER_REGISTRATIONS``: those of ops a later torch added, whose
+rows say from which torch on they exist, ``Row.torch_since``). A backend or device whose own autocast differs on a row keeps
 the row's output dtype in its adapter, computing differently where it must
 (``Row.reason``). Ops that neither framework's autocast names follow their input.
 
@@ -30,10 +31,12 @@ from dataclasses import replace
 
 from . import natives, rows_compute, rows_other, rows_reduce
 from .row import SAMPLES, Row
-from .natives import CPU_REGISTRATIONS, CUDA_REGISTRATIONS, TABLE_MEGENGINE, TABLE_TORCH
+from .natives import (CPU_REGISTRATIONS, CUDA_REGISTRATIONS, LATER_REGISTRATIONS,
+                      TABLE_MEGENGINE, TABLE_TORCH)
 
 __all__ = ["Row", "ROWS", "RULES", "SAMPLES", "CUDA_REGISTRATIONS", "CPU_REGISTRATIONS",
-           "TABLE_TORCH", "TABLE_MEGENGINE", "REFUSALS", "row", "expected_dtype"]
+           "LATER_REGISTRATIONS", "TABLE_TORCH", "TABLE_MEGENGINE", "REFUSALS", "row",
+           "expected_dtype"]
 
 RULES = ("low", "float32", "promote", "input", "refuse")
 

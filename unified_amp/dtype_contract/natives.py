@@ -173,3 +173,9 @@ CPU_REGISTRATIONS: frozenset[str] = frozenset("""
     scaled_dot_product_attention smooth_l1_loss soft_margin_loss stack stft
     stft.center svd trace triangular_solve triplet_margin_loss view_as_complex
 """.split())
+# Ops newer than TABLE_TORCH, and the Autocast keys the first torch that has them (the
+# row's ``torch_since``) registers them on, read from that torch's dispatcher as above.
+# The adapter counts them as recorded from that torch on; an earlier torch lacks them.
+LATER_REGISTRATIONS: dict[str, frozenset[str]] = {
+    "linalg_matrix_sqrth": frozenset({"AutocastCPU", "AutocastCUDA"}),  # torch 2.14.1
+}

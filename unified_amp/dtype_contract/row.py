@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -119,7 +120,11 @@ class Row:
     follows its first tensor (the data) alone, not the widest of its inputs (batch
     norm's float32 statistics and weights leave a float16 input's output float16).
     ``compiled``: where code compiled by ``torch.compile`` keeps torch's own rule
-    instead, and why.
+    instead, and why. ``torch_since``: the first torch ("2.14") that has the row's ops
+    and spellings, where that is later than the oldest torch supported; on an earlier
+    torch the row's op is absent (the tests check that it is, as they check MegEngine's
+    absent ops), and its Autocast registrations are recorded in
+    ``natives.LATER_REGISTRATIONS``, as the first torch that has it registers them.
     """
 
     name: str
@@ -144,6 +149,7 @@ class Row:
     wrapped: tuple[str, ...] = ()
     follows_first: bool = False
     compiled: str = ""
+    torch_since: str = ""
 
     def kinds(self) -> tuple[str, ...]:
         """The input kinds the tests check this row with."""
@@ -154,6 +160,24 @@ class Row:
         """What ``framework``'s own autocast ("torch-cpu", "megengine") gives the row."""
         own = self.torch_cpu if framework == "torch-cpu" else self.megengine_native
         return own or self.rule
+
+    def on_torch(self, version: str) -> bool:
+        """Whether torch ``version`` ("2.13.0+cpu", "2.14.1") has the row's op."""
+        return not self.torch_since or release(version) >= release(self.torch_since)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: "2.14.1+cu130" -> (2, 14, 1), a
+    pre-release of 2.14.0 ("2.14.0a0+git...") -> (2, 14, 0)."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(parts)
 
 
 def make_row(name: str, group: str, rule: str, aten: str = "", torch: str = "",

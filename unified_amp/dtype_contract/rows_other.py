@@ -119,6 +119,12 @@ ROWS: tuple[Row, ...] = (
        "torch.linalg.eig torch.linalg.eigvals torch.linalg.eigh torch.linalg.eigvalsh",
        "torch.linalg.eigvalsh(spd)", fuzz=False,
        cuda_low=False),
+    _r("symmetric matrix square root", "linalg", "float32", "linalg_matrix_sqrth",
+       "torch.linalg.matrix_sqrth", "torch.linalg.matrix_sqrth(spd)", fuzz=False,
+       torch_since="2.14",
+       reason="torch's CPU and CUDA autocast both run it in float32: it has no"
+              " low-precision kernel (\"Low precision dtypes not supported\" without"
+              " autocast)."),
     # -- spectral and complex ---------------------------------------------------------------
     _r("FFT", "spectral", "input",
        "fft_fft fft_fft2 fft_fftn fft_hfft fft_ifft fft_ifft2 fft_ifftn fft_ihfft fft_irfft"
