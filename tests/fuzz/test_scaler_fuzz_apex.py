@@ -136,11 +136,28 @@ def stepped(w: World, name: str) -> list[np.ndarray]:
     return [w.kit.numpy(p) for group in opt.param_groups for p in group["params"]]
 
 
+def flipped(ours: list, ref: list) -> bool:
+    """Whether a ReLU gate differs between our forwards and the reference's (an input
+    within float16's error of zero, rounded to the other side). Where our side ran more
+    forwards (O1's refused gan-stale block), any reference input under 2**-10 of its
+    largest counts."""
+    if len(ours) != len(ref):
+        return any(bool(a.size) and a.min() < 2.0**-10 * a.max()
+                   for a in (np.abs(h[np.isfinite(h)]) for h in ref))
+    for a, b in zip(ours, ref):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        both = np.isfinite(a) & np.isfinite(b)  # a planted inf's forward: that step is skipped
+        if np.any((a[both] > 0) != (b[both] > 0)):
+            return True
+    return False
+
+
 def run_program(kit: Any, seed: int, index: int) -> int:
     config, iterations = make_program(seed, index)
     ours, ref = World(kit, config, config["level"]), World(kit, config, None)
     ids = (0, 1) if config["num_losses"] == 2 else (0, 0)
     planted = [0, 0]
+    waived = 0
     lr = {"sgd": 0.05, "adam": 1e-2}
     for i, (flow, plant, data) in enumerate(iterations):
         where = (f"apex fuzz ({kit.name}) seed={seed} index={index}: iteration {i}\n"
@@ -153,8 +170,12 @@ def run_program(kit: Any, seed: int, index: int) -> int:
             for p, a in zip(model.parameters(), stepped(ours, name)):
                 kit.assign(p, a)
         before = {n: (ours.arrays(getattr(ours, n)), stepped(ours, n)) for n in ("d", "g")}
+        for m in (ours.d, ours.g, ref.d, ref.g):
+            m.gates = []
         skipped = iteration(ours, flow, plant, data, ids)
         iteration(ref, flow, plant, data, ids)
+        gate_flipped = any(flipped(m.gates, r.gates) for m, r in ((ours.d, ref.d), (ours.g, ref.g)))
+        waived += gate_flipped
         if plant:
             planted[ids[0]] += 1
         for name in ("d", "g"):
@@ -167,8 +188,18 @@ def run_program(kit: Any, seed: int, index: int) -> int:
             ours_step = [a - b for a, b in zip(stepped(ours, name), start)]
             ref_step = [a - b for a, b in zip(stepped(ref, name), start)]
             kind = config[f"opt_{name}"]
+            assert all(np.all(np.isfinite(a)) for a in ours_step), \
+                f"{where}\n{name}'s weights are not finite"
+            if gate_flipped:
+                # A ReLU gate of ours and the reference's differ (an input within
+                # float16's error of zero, rounded to the other side): the two computed
+                # different branches of the function, so no tolerance holds, and through
+                # D's backward every element of G's gradient moves (seed 39, index 385:
+                # D's pre-activation 2.3e-6 after D's Adam step, G's step 51% off on
+                # MegEngine at O1, O2 and O3 alike, 0.07% with D stepped by SGD instead;
+                # seed 40, index 281 on both backends). Counted, and left at finiteness.
+                continue
             for a, b in zip(ours_step, ref_step):
-                assert np.all(np.isfinite(a)), f"{where}\n{name}'s weights are not finite"
                 # an element may be off by about its tensor's largest step: a ReLU gate
                 # within float16's error of zero flips (seed 7, index 154: a
                 # pre-activation of 3.9e-5); Adam's steps are about lr each, of either
@@ -185,16 +216,17 @@ def run_program(kit: Any, seed: int, index: int) -> int:
         assert amp.loss_scaler(k).stats()["skipped_steps"] == planted[k], (
             f"apex fuzz ({kit.name}) seed={seed} index={index}: loss scale {k} skipped"
             f" {amp.loss_scaler(k).stats()['skipped_steps']} steps, {planted[k]} planted")
-    return len(iterations)
+    return len(iterations), waived
 
 
 @time_limit(0.5)
 def test_apex_flows_against_a_float32_reference(fuzz):
     kit = load_kit(amp.get_backend().name)
-    programs = iterations = 0
+    programs = iterations = waived = 0
     for index in fuzz.programs(6):
         with kit.on_device("cpu"):
-            iterations += run_program(kit, fuzz.seed, index)
-        programs += 1
+            ran, gated = run_program(kit, fuzz.seed, index)
+        iterations, waived, programs = iterations + ran, waived + gated, programs + 1
     print(f"\napex fuzz ({kit.name}), seed {fuzz.seed}: {programs} programs,"
-          f" {iterations} iterations")
+          f" {iterations} iterations, {waived} with a ReLU gate flipped by float16's rounding"
+          f" (their steps checked finite only)")

@@ -123,6 +123,7 @@ def _apex_net(kit):
                             (w1, b1, w2, b2)):
                 kit.assign(p, a)
             self.seen = {}
+            self.gates = None  # a list: each forward's ReLU inputs are kept in it
 
         def forward(self, x):
             self.seen["inputs in the model"] = kit.dtype_name(x)
@@ -130,6 +131,8 @@ def _apex_net(kit):
             self.seen["activations"] = kit.dtype_name(h)
             h = self.bn(h)
             self.seen["batch norm output"] = kit.dtype_name(h)
+            if self.gates is not None:
+                self.gates.append(kit.numpy(h))
             return self.fc2(kit.relu(h))
 
     return ApexNet
