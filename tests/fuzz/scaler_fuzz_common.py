@@ -95,7 +95,7 @@ def rng_for(seed: int, index: int, salt: str) -> random.Random:
 class Parted(Exception):
     """The worlds parted at a listed deliberate difference: the program ends there."""
 
-    def __init__(self, difference: Difference):
+    def __init__(self, difference: Any):  # a Difference, or the portable fuzz's Parting
         super().__init__(difference.id)
         self.difference = difference
 

@@ -40,7 +40,7 @@ import unified_amp as amp
 
 from .portable_programs import (ATOL, GRAD_RTOL, RTOL, World, make_program, run_program,
                                 summed_magnitudes)
-from .scaler_fuzz_common import table, time_limit
+from .scaler_fuzz_common import Parted, table, time_limit
 
 ENV = "UNIFIED_AMP_MEGENGINE_PYTHON"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -95,12 +95,6 @@ def _numbers_part(listed: dict[str, Parting], call: list[Any]) -> None:
     for p in listed.values():
         if CONDITIONS[p.id](call):
             raise Parted(p)
-
-
-class Parted(Exception):
-    def __init__(self, parting: Parting):
-        super().__init__(parting.id)
-        self.parting = parting
 
 
 @dataclass
@@ -345,7 +339,7 @@ def compare(seed: int, index: int, t: dict[str, Any], m: dict[str, Any],
                     if problem:
                         raise AssertionError(f"{where(k)}\non {name}, {problem}")
     except Parted as parted:
-        tally.parted[parted.parting.id] = tally.parted.get(parted.parting.id, 0) + 1
+        tally.parted[parted.difference.id] = tally.parted.get(parted.difference.id, 0) + 1
 
 
 def _parting(listed: dict[str, Parting], a: dict[str, Any], b: dict[str, Any],
