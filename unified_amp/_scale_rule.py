@@ -58,11 +58,7 @@ def check_factors(init_scale: Any, growth_factor: Any, backoff_factor: Any,
                         ("backoff_factor", backoff_factor)):
         if not is_number(value):
             raise TypeError(f"GradScaler {name} must be a number; got {value!r}.")
-    if not (math.isfinite(init_scale) and init_scale > 0):
-        raise ValueError(
-            f"GradScaler {scale_name} must be a positive finite number; got {init_scale!r}."
-            f" The usual start is 2.0**16."
-        )
+    _positive_finite(init_scale, scale_name, " The usual start is 2.0**16.")
     if not (math.isfinite(growth_factor) and growth_factor > 1.0):
         raise ScalerArgumentError(
             f"GradScaler growth_factor must be > 1.0 (the scale is multiplied by it after"
@@ -105,11 +101,15 @@ def valid_scale(value: Any, what: str, backend: Callable[[], Any]) -> float:
                 f"GradScaler {what} must be a number or a 1-element tensor;"
                 f" got {value!r}."
             )
+    _positive_finite(value, what)
+    return f32(float(value))
+
+
+def _positive_finite(value: float, name: str, usual: str = "") -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(
-            f"GradScaler {what} must be a positive finite number; got {value!r}."
+            f"GradScaler {name} must be a positive finite number; got {value!r}.{usual}"
         )
-    return f32(float(value))
 
 
 def numel(t: Any) -> int:
