@@ -1,9 +1,12 @@
 # unified_amp: one virtual environment per backend, made on first use and then reused.
 #   make test                  set up both environments, run the whole suite on both backends,
-#                              and mypy (unified_amp/, backends/, the fake backend)
+#                              torch's contract tests again on oneDNN's AVX2 path
+#                              (ONEDNN_MAX_CPU_ISA=AVX2), and mypy (unified_amp/, backends/,
+#                              the fake backend)
 #   make test BACKENDS=torch   one backend only (torch needs no CPython 3.10 and no MegEngine)
 #   make test-oldest           the suite on the oldest supported torch, numpy and CPython
-#                              (torch 2.7.1, a CUDA build of ~5 GB installed; CPython 3.10)
+#                              (torch 2.7.1, a CUDA build of ~5 GB installed; CPython 3.10),
+#                              and its contract tests again on oneDNN's AVX2 path
 #   make test-matrix           the torch suite on every torch minor of the extra's range x
 #                              CPython 3.10-3.13, one uv venv at a time; writes
 #                              docs/versions.json and docs/VERSIONS.md (MATRIX_TORCH="2.8 2.12"
@@ -192,6 +195,17 @@ unknown-backend:
 	sys.exit(f"make: *** {sys.argv[1]!r} has no environment in this Makefile; it has: $(ALL_BACKENDS).")' \
 	  '$(BAD_NAME)' '$(BAD_SOURCE)'
 
+# The tests that touch low-precision CPU kernels, eager and compiled, run a second time on
+# torch under oneDNN's AVX2 path (ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN's instruction set on
+# any x86 CPU): there it has no bfloat16/float16 RNN primitive, and CI's CPU, with
+# AVX-512 BF16, would not see what breaks on users' AVX2-only CPUs.
+ISA_TESTS := tests/contract tests/native/test_torch_compiled_dtype_table.py tests/native/test_torch_recurrent_compiled.py
+run_avx2 = echo; echo "================ backend: torch, oneDNN's AVX2 path (ONEDNN_MAX_CPU_ISA=AVX2) ================"; \
+	  ONEDNN_MAX_CPU_ISA=AVX2 UNIFIED_AMP_BACKEND=torch $(1)/bin/python -m pytest $(ISA_TESTS) -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	    | tee $(LOGDIR)/$(2).log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1;
+AVX2_RUN := $(if $(filter torch,$(TEST_BACKENDS)),torch-avx2)
+
 # Each backend runs in its own interpreter; all run even if one fails, and the target
 # fails if any did.
 test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))/.ready))
@@ -202,6 +216,7 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	    | { grep --line-buffered -v -E '$(CUDA_STUB_NOISE)' || true; } | tee $(LOGDIR)/$$b.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	done; \
+	$(if $(AVX2_RUN),$(call run_avx2,$(VENV_torch),torch-avx2)) \
 	typed="skipped (no torch environment in BACKENDS)"; \
 	if [ -x $(VENV_torch)/bin/python ] && [[ " $(TEST_BACKENDS) " == *" torch "* ]]; then \
 	  echo; echo "================ mypy: unified_amp/, backends/, the fake backend ================"; \
@@ -209,7 +224,7 @@ test: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS),$(VENV_$(b))
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; typed="$$(tail -1 $(LOGDIR)/mypy.log)"; \
 	fi; \
 	echo; echo "================ summary ================"; \
-	for b in $(TEST_BACKENDS); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/$$b.log | tail -1 | tr -d '=')"; done; \
+	for b in $(TEST_BACKENDS) $(AVX2_RUN); do printf '%-10s %s\n' "$$b:" "$$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' $(LOGDIR)/$$b.log | tail -1 | tr -d '=')"; done; \
 	printf '%-10s %s\n' "mypy:" "$$typed"; \
 	exit $$status
 
@@ -256,7 +271,12 @@ test-integrations: $(if $(BAD_TEST),unknown-backend,$(foreach b,$(TEST_BACKENDS)
 # make test and removes its environment (.ci/run).
 test-oldest: $(VENV_torch-oldest)/.ready
 	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -c 'import sys, torch, numpy; print(f"torch {torch.__version__}, numpy {numpy.__version__}, CPython {sys.version.split()[0]}")'
-	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
+	@mkdir -p $(LOGDIR); status=0; \
+	UNIFIED_AMP_BACKEND=torch $(VENV_torch-oldest)/bin/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS) 2>&1 \
+	  | tee $(LOGDIR)/torch-oldest.log; \
+	[ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	$(call run_avx2,$(VENV_torch-oldest),torch-oldest-avx2) \
+	exit $$status
 
 # Every torch of the range x every CPython torch has wheels for; not in CI (hours, and
 # 5-6 GB of disk at a time). tools/version_matrix.py says how; docs/VERSIONS.md has

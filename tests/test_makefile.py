@@ -131,3 +131,21 @@ def test_bench_runs_the_named_benchmark_of_the_one_tool():
     listing = make("-n", "bench")  # no NAME: the tool lists its benchmarks
     assert listing.returncode == 0, listing.stderr
     assert re.search(r"\.venv-torch/bin/python -m benchmarks\s*$", listing.stdout, re.M)
+
+
+def test_make_test_runs_torchs_contract_tests_again_on_onednns_avx2_path():
+    """CI's CPU has AVX-512 BF16; users' may not: the contract tests, eager and compiled,
+    run a second time with oneDNN capped at AVX2 wherever torch is tested."""
+    proc = make("-n", "test", "BACKENDS=torch megengine")
+    assert proc.returncode == 0, proc.stderr
+    avx2 = [ln for ln in proc.stdout.splitlines() if "ONEDNN_MAX_CPU_ISA=AVX2 UNIFIED_AMP_BACKEND=torch" in ln]
+    assert len(avx2) == 1, proc.stdout
+    for path in ("tests/contract", "tests/native/test_torch_compiled_dtype_table.py",
+                 "tests/native/test_torch_recurrent_compiled.py"):
+        assert path in avx2[0] and (ROOT / path).exists()
+    assert ".venv-torch/bin/python -m pytest" in avx2[0]
+    oldest = make("-n", "test-oldest")
+    assert oldest.returncode == 0, oldest.stderr
+    assert "ONEDNN_MAX_CPU_ISA=AVX2 UNIFIED_AMP_BACKEND=torch .venv-torch-oldest/bin/python" in oldest.stdout
+    only_mge = make("-n", "test", "BACKENDS=megengine")
+    assert "ONEDNN_MAX_CPU_ISA" not in only_mge.stdout

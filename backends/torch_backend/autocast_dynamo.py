@@ -121,9 +121,9 @@ def _guard_manager_of(info: Any) -> Any:
 
 def _compiled_our_frame(manager: Any) -> bool:
     """Whether the frame the guards were made for is the library's (its globals are one
-    of the library's modules): the contract mode's ``__torch_function__``, which dynamo
-    compiles on its own for each torch call of a frame it gave up on, or a block's entry
-    and exit on torch 2.7-2.8."""
+    of the library's modules): a block's entry and exit on torch 2.7-2.8, which dynamo
+    compiles on their own in a frame it gave up on (the contract's mode carries a skip
+    strategy on every torch: dtype_contract.py)."""
     scope = getattr(getattr(manager, "guard_manager", None), "global_scope", None)
     frame_globals = scope.get("G") if isinstance(scope, dict) else None
     name = frame_globals.get("__name__") if isinstance(frame_globals, dict) else None

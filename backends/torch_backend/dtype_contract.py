@@ -336,3 +336,39 @@ class PromoteMode(TorchFunctionMode):
 # the modes keep no state.
 CONTRACT = ContractMode()
 PROMOTE = PromoteMode()
+
+
+
+def _never_compiled_alone() -> None:
+    """Every frame of this module runs as it is when a torch call reaches the modes
+    eagerly inside a compiled call (in a frame dynamo gave up on after a graph break, or
+    in ``nn.LSTM``'s forward, which dynamo does not trace); code that dynamo traces
+    still inlines them, so the casts stay in the caller's graph.
+
+    Compiled as frames of their own, an eager autocast switch (``_EagerAutocastOff``)
+    landed in a graph whose switches AOTAutograd drops, so an LSTM the row computes in
+    float32 ran in the low dtype (oneDNN's AVX2 path has no such kernel: it raised), and
+    an LSTM's own graph is one AOTAutograd cannot build (its weights are Parameters).
+    Each frame is skipped by itself, not "recursively": on torch 2.7-2.8 that strategy
+    is the suspect of a crash (autocast.py, ``SKIPS_RECURSIVELY``)."""
+    code_type = type(_never_compiled_alone.__code__)
+    codes: list[Any] = []
+
+    def collect(code: Any) -> None:
+        codes.append(code)
+        for const in code.co_consts:
+            if isinstance(const, code_type):
+                collect(const)
+
+    for value in list(globals().values()):
+        functions = [value] if getattr(value, "__module__", None) == __name__ else []
+        if isinstance(value, type) and value.__module__ == __name__:
+            functions = [f for f in vars(value).values() if hasattr(f, "__code__")]
+        for fn in functions:
+            if hasattr(fn, "__code__"):
+                collect(fn.__code__)
+    for code in codes:
+        torch._dynamo.eval_frame.skip_code(code)
+
+
+_never_compiled_alone()

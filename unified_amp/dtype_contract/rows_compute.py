@@ -91,8 +91,22 @@ ROWS: tuple[Row, ...] = (
        "torch.rnn_tanh_cell torch.rnn_relu_cell", "torch.rnn_tanh_cell(x, y, rnn_w, rnn_w)"),
     _r("LSTM layer", "recurrent", "low", "mkldnn_rnn_layer _cudnn_rnn", "torch.lstm",
        "torch.lstm(a3, (h0, c0), (lstm_w, lstm_w, lstm_b, lstm_b), True, 1, 0.0, False, False, True)[0]",
-       float32_compute="torch-cpu-float16",
-       reason="torch CPU: oneDNN has no float16 LSTM (torch.autocast('cpu', dtype=torch.float16) raises); the adapter computes it in float32 and returns float16."),
+       float32_compute="torch-cpu",
+       reason="torch CPU: oneDNN has no float16 LSTM, and no bfloat16 one on a CPU without"
+              " AVX-512 BF16 (torch.autocast('cpu') raises there, and so does the LSTM compiled"
+              " in bfloat16 on such a CPU); the adapter computes it in float32 and returns the"
+              " low dtype, in both low dtypes, so that every CPU gives the same outcome."),
+    _r("GRU layer", "recurrent", "low", "", "torch.gru",
+       "torch.gru(a3, h0, (gru_w, gru_w), False, 1, 0.0, False, False, True)[0]",
+       reason="torch CPU: torch.gru is a C++ loop over GRU cells that no Python call"
+              " reaches, and CPU autocast names neither (the layer stays float32); on CUDA"
+              " cuDNN's _cudnn_rnn and the cells are low. No Autocast registration of its"
+              " own: the adapter casts the layer's inputs to the low dtype on the CPU.",
+       fake_cuda="torch 2.13 has no meta kernel for _thnn_fused_gru_cell on CUDA, so fake CUDA cannot run it"),
+    _r("RNN layer", "recurrent", "low", "", "torch.rnn_tanh torch.rnn_relu",
+       "torch.rnn_tanh(a3, h0, (rnn_w, rnn_w), False, 1, 0.0, False, False, True)[0]",
+       reason="A C++ loop over RNN cells, which both torch's CPU and CUDA autocast name as"
+              " low: torch keeps the row by itself on every device."),
     _r("scaled dot-product attention", "attention", "low",
        "scaled_dot_product_attention _scaled_dot_product_flash_attention"
        " _native_multi_head_attention",
