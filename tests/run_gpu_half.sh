@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The real-GPU half of the suite (docs/GPU.md, "runbook"): run from the repository root on a
 # machine with a CUDA GPU and a CUDA build of torch, no network needed. Everything it prints
-# also goes to $OUT (default gpu-output/): env.txt, bench.log, pytest.log, failures.txt,
-# junit.xml and the benchmarks' results (overhead-eager-*.json, throughput-precisions-*.json).
+# also goes to $OUT (default gpu-output/): env.txt, bench.log, rows.log, pytest.log,
+# failures.txt, junit-rows.xml, junit.xml and the benchmarks' results
+# (overhead-eager-*.json, throughput-precisions-*.json).
 # The whole call fits one 10-minute device call: TOTAL_CAP seconds (default 540) from the
 # start, install included; each step is capped by its own cap and by what is left of it.
 #   PY=python3 OUT=gpu-output PYTEST_WORKERS=4 PYTEST_ARGS=... bash tests/run_gpu_half.sh
@@ -35,6 +36,16 @@ bench() {  # one benchmark, capped, its result in the one format under $OUT
 # ones, with the calls a forward makes into torch and into unified_amp. About a minute on
 # an H200; it is what a GPU block's cost is read from.
 bench "${EAGER_CAP:-150}" overhead --sections eager ${EAGER_ARGS:-}
+
+# Every row of the dtype contract on real CUDA kernels before anything else, so a cap that
+# cuts the whole suite short never cuts these: each row's sample call in float16 and
+# bfloat16, with float32 and low inputs: its dtype, its values against float32 within the
+# low dtype's tolerance and its gradients' dtypes (tests/contract/test_dtype_table.py, the
+# "cuda" device; fake CUDA checks only dtypes on CPU machines).
+LIVE_FAILURES="$OUT/failures.txt" timeout "$(cap "${ROWS_CAP:-150}")" "$PY" -m pytest \
+  tests/contract/test_dtype_table.py -k cuda -q -rs -p no:cacheprovider -p tests.live_failures \
+  --junitxml "$OUT/junit-rows.xml" 2>&1 | tee "$OUT/rows.log"
+echo "rows exit: ${PIPESTATUS[0]}" | tee -a "$OUT/rows.log"
 
 # The whole suite but the runners (their own environments, tests/integrations): on a GPU
 # the "cuda" parametrizations of tests/contract run instead of skipping, and
