@@ -1,0 +1,212 @@
+"""The dtype contract however a function was imported (issue 43, 3).
+
+``from megengine.functional import softmax`` at the top of a module binds the function
+object before any ``amp.autocast`` block ran, often before ``import unified_amp``. Each
+function the adapters act on, bound that way -- ``from <namespace> import name`` from each
+namespace a row spells it in and from the module that defines it, and
+``import <namespace> as F`` then ``F.name`` -- gives inside a block exactly what the call
+through the namespace gives, the contract's dtype for the row's own sample call. A
+fresh interpreter binds them before ``import unified_amp`` and, in a second run, after
+the backend loaded but before the first block: the two moments a user's imports happen.
+
+Where a binding cannot be replaced (a closure, a default argument, a partial, a list or a
+dict holding the function, a local of a running frame), ``amp.ContractWarning`` says so
+once, naming the function and the holder; class and instance attributes get the
+contract. On torch the contract is a function mode, which sees every call whatever
+object it came through: every spelling holds there and nothing warns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .dtype_table import ROWS, call_of, expected, row
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LOW = "float16"
+
+# Where a table spelling's head lives ("F.nn.softmax" is megengine.functional.nn.softmax).
+NAMESPACES = {"torch": {"F": "torch.nn.functional", "torch": "torch"},
+              "megengine": {"F": "megengine.functional"}}
+
+
+def _pattern(spelling: str) -> str:
+    return r"(?<![\w.])" + re.escape(spelling) + r"(?=\()"
+
+
+def _module_spellings(r, framework: str) -> list[str]:
+    return [s for s in getattr(r, framework) if not s.startswith("Tensor.")]
+
+
+def _alias(module: str, name: str) -> str:
+    return f"{module.replace('.', '_')}__{name}"
+
+
+def _bindings(framework: str, spelling: str) -> list[tuple[str, str]]:
+    """(import statement, the name it binds) for each early binding of ``spelling``:
+    from the namespace the table spells it in, and from the module that defines it."""
+    head, _, rest = spelling.partition(".")
+    *path, name = rest.split(".")
+    namespace = ".".join([NAMESPACES[framework][head], *path])
+    obj = getattr(importlib.import_module(namespace), name)
+    out = [(f"from {namespace} import {name} as {_alias(namespace, name)}",
+            _alias(namespace, name))]
+    home = getattr(obj, "__module__", None)
+    try:
+        defined_there = home not in (None, namespace) and \
+            getattr(importlib.import_module(home), name, None) is obj
+    except ImportError:  # torch's builtins name C modules no import reaches
+        defined_there = False
+    if defined_there:
+        out.append((f"from {home} import {name} as {_alias(home, name)}", _alias(home, name)))
+    return out
+
+
+def early_cases(framework: str) -> tuple[str, list[dict]]:
+    """The early module's source, and one case per (row, spelling, binding, input kind):
+    the call through the namespace and the same call through the early binding.
+
+    The spellings are every module-level spelling of every row the framework has a call
+    for: what the adapters wrap (MegEngine) or their function mode acts on (torch) is
+    among them (``test_the_cases_cover_every_function_the_adapter_acts_on``)."""
+    lines = [f"import {NAMESPACES[framework]['F']} as F_early"]
+    cases, seen = [], set()
+    for r in ROWS:
+        call = call_of(r, framework)
+        spellings = _module_spellings(r, framework)
+        if call is None or not spellings:
+            continue
+        used = [s for s in spellings if re.search(_pattern(s), call)]
+        assert used, (f"{r.name!r}: its {framework} call {call!r} names none of its"
+                      f" spellings {spellings}")
+        for spelling in spellings:
+            through = re.sub(_pattern(used[0]), spelling, call)
+            early = [(statement, re.sub(_pattern(spelling), name, through))
+                     for statement, name in _bindings(framework, spelling)]
+            head = spelling.partition(".")[0]
+            if head == "F":  # import megengine.functional as F_early; F_early.softmax
+                early.append(("", re.sub(_pattern(spelling), "F_early" + spelling[1:],
+                                         through)))
+            for statement, early_call in early:
+                if statement and statement not in lines:
+                    lines.append(statement)
+                if (r.name, early_call) in seen:  # F.conv3d is F.nn.conv3d's
+                    continue
+                seen.add((r.name, early_call))
+                for kind in r.kinds():
+                    cases.append({"row": r.name, "spelling": spelling, "kind": kind,
+                                  "binding": statement or "import ... as F_early",
+                                  "through": through, "early": early_call,
+                                  "sample": through == call})
+    return "\n".join(lines) + "\n", cases
+
+
+# The child: binds the early module (a real file, imported), then runs every case's two
+# calls inside amp.autocast and prints what each gave.
+_CHILD = textwrap.dedent("""
+    import json, sys
+    spec = json.loads(sys.stdin.read())
+    sys.path.insert(0, spec["dir"])
+    if spec["when"] == "before import unified_amp":
+        import early_bindings
+    import unified_amp as amp
+    amp.get_backend()
+    if spec["when"] == "before the first block":
+        import early_bindings
+    from tests.contract.dtype_table import inputs
+    from tests.kits import load_kit
+
+    kit = load_kit(amp.get_backend().name)
+    inp = inputs()
+    scope = vars(early_bindings)
+
+    def outcome(call, kind):
+        try:
+            with amp.autocast(dtype=spec["low"], device=spec["device"]):
+                out = kit.run_call(call, spec["device"], spec["low"], kind, inp, scope)
+            values = kit.numpy(out)
+            kit.synchronize()
+        except Exception as exc:
+            return ["error", type(exc).__name__]
+        return [kit.dtype_name(out), values.tobytes().hex()]
+
+    found = []
+    with kit.on_device(spec["device"]):
+        for case in spec["cases"]:
+            found.append([outcome(case["through"], case["kind"]),
+                          outcome(case["early"], case["kind"])])
+    print("EARLY " + json.dumps(found))
+""")
+
+
+def run_child(kit, device, tmp_path, when, source, cases):
+    (tmp_path / "early_bindings.py").write_text(source)
+    spec = {"dir": str(tmp_path), "when": when, "low": LOW, "device": device,
+            "cases": cases}
+    env = dict(os.environ, UNIFIED_AMP_BACKEND=kit.name, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(spec),
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("EARLY ")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("EARLY "):])
+
+
+@pytest.mark.parametrize("when", ["before import unified_amp", "before the first block"])
+def test_a_function_bound_early_gives_what_the_namespace_gives(kit, device, tmp_path, when):
+    source, cases = early_cases(kit.name)
+    found = run_child(kit, device, tmp_path, when, source, cases)
+    parted: dict[str, list] = {}
+    wrong = []
+    for case, (through, early) in zip(cases, found):
+        where = (case["row"], case["binding"], case["kind"])
+        if early != through:
+            parted.setdefault(case["binding"], []).append(
+                (case["row"], case["kind"], f"namespace {through[0]}, early {early[0]}"
+                 + (" (values)" if early[0] == through[0] else "")))
+        r = row(case["row"])
+        if case["sample"]:
+            wanted = "error" if r.rule == "refuse" else expected(r, case["kind"], LOW,
+                                                                 case["through"])
+            if through[0] != wanted:
+                wrong.append((*where, through[0], wanted))
+    bindings = {case["binding"] for case in cases}
+    assert not parted, (f"{len(parted)} of {len(bindings)} early bindings give another"
+                        f" outcome than the namespace: {json.dumps(parted, indent=1)}")
+    assert not wrong, f"sample calls not the contract's dtype: {wrong}"
+
+
+def test_the_cases_cover_every_function_the_adapter_acts_on(kit):
+    """The early module binds each module-level function the adapter wraps (MegEngine)
+    or its modes act on (torch), so no function of the contract is left out."""
+    source, _ = early_cases(kit.name)
+    bound: dict[int, object] = {}
+    scope: dict = {}
+    exec(source, scope)  # noqa: S102 -- the module the test wrote
+    for value in scope.values():
+        bound[id(value)] = value
+    acted_on = _adapter_functions(kit.name)
+    assert acted_on, "the adapter acts on no module-level function"
+    missing = [f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', fn)}"
+               for fn in acted_on if id(fn) not in bound]
+    assert not missing, missing
+
+
+def _adapter_functions(framework: str) -> list:
+    if framework == "megengine":
+        from unified_amp.backends.megengine_backend import dtype_contract as adapter
+
+        return [wrapper for _, _, _, wrapper in adapter.module_functions()]
+    from unified_amp.backends.torch_backend import dtype_contract as adapter
+
+    return [fn for fn in [*adapter.HANDLERS, *adapter.PROMOTED]
+            if getattr(fn, "__qualname__", "").partition(".")[0] not in ("Tensor",
+                                                                         "TensorBase")]
