@@ -187,13 +187,11 @@ def test_a_function_bound_early_gives_what_the_namespace_gives(kit, device, tmp_
 def test_the_cases_cover_every_function_the_adapter_acts_on(kit):
     """The early module binds each module-level function the adapter wraps (MegEngine)
     or its modes act on (torch), so no function of the contract is left out."""
+    acted_on = _adapter_functions(kit.name)  # first: bound after it, a name holds a wrapper
     source, _ = early_cases(kit.name)
-    bound: dict[int, object] = {}
     scope: dict = {}
     exec(source, scope)  # noqa: S102 -- the module the test wrote
-    for value in scope.values():
-        bound[id(value)] = value
-    acted_on = _adapter_functions(kit.name)
+    bound = {id(getattr(v, "__unified_amp_wraps__", v)) for v in scope.values()}
     assert acted_on, "the adapter acts on no module-level function"
     missing = [f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', fn)}"
                for fn in acted_on if id(fn) not in bound]
@@ -204,9 +202,146 @@ def _adapter_functions(framework: str) -> list:
     if framework == "megengine":
         from unified_amp.backends.megengine_backend import dtype_contract as adapter
 
-        return [wrapper for _, _, _, wrapper in adapter.module_functions()]
+        import unified_amp as amp
+
+        with amp.autocast(dtype=LOW):  # installs the wrappers
+            pass
+        return [getattr(w, "__unified_amp_wraps__") for _, w in adapter.module_functions()]
     from unified_amp.backends.torch_backend import dtype_contract as adapter
 
     return [fn for fn in [*adapter.HANDLERS, *adapter.PROMOTED]
             if getattr(fn, "__qualname__", "").partition(".")[0] not in ("Tensor",
                                                                          "TensorBase")]
+
+
+# -- where the function is held --------------------------------------------------------
+
+_HOLDERS = """\
+import functools
+import types
+
+from {functional} import softmax
+
+
+def make_closure():
+    act = softmax
+
+    def head(x):
+        return act(x, -1)
+    return head
+
+
+def with_default(x, act=softmax):
+    return act(x, -1)
+
+
+def with_keyword_default(x, *, act=softmax):
+    return act(x, -1)
+
+
+class Head:
+    act = softmax
+
+
+INSTANCE = types.SimpleNamespace(act=softmax)
+CLOSURE = make_closure()
+PARTIAL = functools.partial(softmax)
+ACTS = {{"softmax": softmax}}
+LIST = [softmax]
+PAIR = (softmax,)
+"""
+
+# Each way of holding the function, called as the program would.
+_CALLS = {
+    "module global": "holders.softmax(x, -1)",
+    "closure": "holders.CLOSURE(x)",
+    "default argument": "holders.with_default(x)",
+    "keyword default": "holders.with_keyword_default(x)",
+    "class attribute": "holders.Head.act(x, -1)",
+    "instance attribute": "holders.INSTANCE.act(x, -1)",
+    "partial": "holders.PARTIAL(x, -1)",
+    "dict": "holders.ACTS['softmax'](x, -1)",
+    "list": "holders.LIST[0](x, -1)",
+    "tuple": "holders.PAIR[0](x, -1)",
+    "local variable": "local_call(x)",
+    "module imported after the first block": "late.act(x, -1)",
+}
+# Where MegEngine's contract cannot replace the binding: what the warning names.
+_UNREACHABLE = {
+    "partial": "a functools.partial bound to holders.PARTIAL",
+    "dict": "a dict bound to holders.ACTS",
+    "list": "a list bound to holders.LIST",
+    "tuple": "a tuple bound to holders.PAIR",
+    "local variable": "the local variable 'act' of local_call()",
+}
+
+_HOLDERS_CHILD = textwrap.dedent("""
+    import json, sys, warnings
+    spec = json.loads(sys.stdin.read())
+    sys.path.insert(0, spec["dir"])
+    import holders
+    import unified_amp as amp
+    from tests.contract.dtype_table import inputs
+    from tests.kits import load_kit
+
+    kit = load_kit(amp.get_backend().name)
+    x = kit.tensor(inputs()["x"], spec["device"], spec["low"])
+
+    def local_call(x):
+        act = holders.softmax if False else holders.LIST[0]  # the original, held here
+        with amp.autocast(dtype=spec["low"], device=spec["device"]):
+            return act(x, -1)
+
+    got, said = {}, []
+    with kit.on_device(spec["device"]):
+        with warnings.catch_warnings(record=True) as first:
+            warnings.simplefilter("always")
+            got["local variable"] = kit.dtype_name(local_call(x))
+        import late  # binds the original it copies out of holders.LIST
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            with amp.autocast(dtype=spec["low"], device=spec["device"]):
+                for name, call in spec["calls"].items():
+                    if name != "local variable":
+                        got[name] = kit.dtype_name(eval(call))
+    kit.synchronize()
+    print("HOLDERS " + json.dumps({
+        "dtypes": got,
+        "first": [[w.category.__name__, str(w.message)] for w in first],
+        "again": [[w.category.__name__, str(w.message)] for w in again]}))
+""")
+
+
+def test_a_function_held_where_no_binding_can_be_replaced_is_named_once(kit, device,
+                                                                         tmp_path):
+    """Bound before ``import unified_amp``: module globals, closures, defaults, class and
+    instance attributes get the contract; a partial, a dict, a list, a tuple and a local
+    variable keep MegEngine's own rule, and the first block says so once for each,
+    naming the function and the holder (torch: every one gets the contract, nothing is
+    said). A module imported later that copies the function out of such a holder gets
+    the contract from the next outermost block."""
+    functional = NAMESPACES[kit.name]["F"]
+    (tmp_path / "holders.py").write_text(_HOLDERS.format(functional=functional))
+    (tmp_path / "late.py").write_text("from holders import LIST\n\nact = LIST[0]\n")
+    spec = {"dir": str(tmp_path), "low": LOW, "device": device, "calls": _CALLS}
+    env = dict(os.environ, UNIFIED_AMP_BACKEND=kit.name, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _HOLDERS_CHILD], input=json.dumps(spec),
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HOLDERS ")]
+    assert lines, proc.stderr[-3000:]
+    found = json.loads(lines[-1][len("HOLDERS "):])
+    contract = expected(row("softmax"), "low", LOW)
+    native = {"megengine": row("softmax").native("megengine")}.get(kit.name, contract)
+    unreachable = _UNREACHABLE if kit.name == "megengine" else {}
+    wanted = {name: (LOW if name in unreachable and native != "float32" else contract)
+              for name in _CALLS}
+    assert found["dtypes"] == wanted
+    said = [message for category, message in found["first"] if category == "ContractWarning"]
+    holders = sorted(holder for holder in unreachable.values()
+                     if any(f" in {holder}" in message for message in said))
+    assert len(said) == len(unreachable) and holders == sorted(unreachable.values()), \
+        json.dumps(said, indent=1)
+    for message in said:
+        assert f"{functional}.softmax is held in" in message, message
+        assert f"({functional}.softmax(...))" in message, message
+    assert not [m for c, m in found["again"] if c == "ContractWarning"], found["again"]
