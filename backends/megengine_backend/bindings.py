@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import os
 import sys
 import types
@@ -139,13 +140,22 @@ class Rebinder:
         """One look: swaps what it can, returns (holder, its file and line, the names of
         the originals it holds, what to do after the first block) for the rest. Holds
         no original itself (a list of them would be a holder)."""
-        # Running frames first: reading a frame's locals makes the dict that holds them,
-        # which would be found as a holder of its own.
-        frames = [f for top in sys._current_frames().values() for f in _stack(top)
-                  if not f.f_code.co_filename.startswith(_OURS)]
+        # Running frames first: reading a function's locals makes the dict that holds a
+        # copy of them, which would be found as a holder of its own. A module's or a
+        # class body's frame runs in a namespace: its names are swapped as bindings.
+        frames = []
+        for top in sys._current_frames().values():
+            for frame in _stack(top):
+                if frame.f_code.co_filename.startswith(_OURS):
+                    continue
+                if frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+                    frames.append(frame)
+                else:
+                    self._swap_in(frame.f_locals)  # a script's globals, a class body's
         held = [h for h in map(self._locals_held, frames) if h]
         referrers = gc.get_referrers(*self._originals)
         suspended = [r for r in referrers if isinstance(r, types.FrameType)
+                     and r.f_code.co_flags & inspect.CO_OPTIMIZED
                      and not r.f_code.co_filename.startswith(_OURS)
                      and all(r is not f for f in frames)]  # a generator's
         held += [h for h in map(self._locals_held, suspended) if h]

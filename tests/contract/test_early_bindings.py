@@ -254,6 +254,7 @@ PAIR = (softmax,)
 # Each way of holding the function, called as the program would.
 _CALLS = {
     "module global": "holders.softmax(x, -1)",
+    "script global": "script_softmax(x, -1)",
     "closure": "holders.CLOSURE(x)",
     "default argument": "holders.with_default(x)",
     "keyword default": "holders.with_keyword_default(x)",
@@ -280,6 +281,7 @@ _HOLDERS_CHILD = textwrap.dedent("""
     spec = json.loads(sys.stdin.read())
     sys.path.insert(0, spec["dir"])
     import holders
+    from holders import softmax as script_softmax  # a global of the running script
     import unified_amp as amp
     from tests.contract.dtype_table import inputs
     from tests.kits import load_kit
