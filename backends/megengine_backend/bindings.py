@@ -37,6 +37,15 @@ _OURS = tuple(os.path.dirname(os.path.abspath(m.__file__ or ""))
               for m in (sys.modules[__name__.rpartition(".")[0]], sys.modules["unified_amp"]))
 
 
+def _attr(obj: Any, name: str) -> Any:
+    """``obj.name``, or None: what the process holds may be a proxy whose attribute
+    lookup raises anything (a lazy module, a context-local proxy)."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 -- not ours to judge; it is no binding of ours
+        return None
+
+
 def _stack(frame: types.FrameType | None) -> Iterable[types.FrameType]:
     while frame is not None:
         yield frame
@@ -100,9 +109,9 @@ class Rebinder:
                 if module in self._seen:
                     continue
                 self._seen.add(module)
-            except TypeError:  # a module stand-in that takes no weak reference
+            except Exception:  # noqa: BLE001 -- a stand-in that takes no weak reference
                 pass
-            namespace = getattr(module, "__dict__", None)
+            namespace = _attr(module, "__dict__")
             if type(namespace) is dict:
                 self._swap_in(namespace)
 
@@ -133,7 +142,7 @@ class Rebinder:
         for module in list(sys.modules.values()):
             try:
                 self._seen.add(module)
-            except TypeError:
+            except Exception:  # noqa: BLE001 -- as in new_modules
                 pass
 
     def _pass(self) -> list[tuple[str, tuple[str, int], list[str], str]]:
@@ -163,7 +172,7 @@ class Rebinder:
         referrers = [r for r in referrers if id(r) not in skip
                      and not isinstance(r, types.FrameType) and not self._is_argument_tuple(r)]
         modules = {id(namespace): namespace for namespace in
-                   (getattr(m, "__dict__", None) for m in list(sys.modules.values()))
+                   (_attr(m, "__dict__") for m in list(sys.modules.values()))
                    if type(namespace) is dict}
         others = []
         for r in referrers:
@@ -242,8 +251,8 @@ class Rebinder:
             for owner in owners:
                 if isinstance(owner, type) and gc.get_referents(vars(owner))[0] is namespace:
                     return self._swap_class(owner, namespace)
-                if getattr(owner, "__dict__", None) is namespace or \
-                        getattr(owner, "__kwdefaults__", None) is namespace:
+                if _attr(owner, "__dict__") is namespace or \
+                        _attr(owner, "__kwdefaults__") is namespace:
                     self._swap_in(namespace)  # a module's, an object's, keyword defaults
                     return True
             return False
@@ -263,7 +272,8 @@ class Rebinder:
                 continue
             try:
                 setattr(cls, key, w)
-            except TypeError:  # a C type's attribute: covered if a subclass's shadows it
+            except (TypeError, AttributeError):  # a C type's: covered if a subclass's
+                # attribute shadows it
                 if not any(cls in s.__mro__ and getattr(s, key, None) is w
                            for s in self._shadowing):
                     return False
@@ -273,7 +283,7 @@ class Rebinder:
         kind = ("a functools.partial" if isinstance(obj, functools.partial)
                 else f"a {type(obj).__name__}")
         for owner in owners:
-            namespace = getattr(owner, "__dict__", None)
+            namespace = _attr(owner, "__dict__")
             if isinstance(owner, types.ModuleType) or isinstance(namespace, dict):
                 continue
             if type(owner) is dict:
@@ -287,7 +297,7 @@ class Rebinder:
 
     def _module_of(self, namespace: dict) -> str | None:
         for name, module in list(sys.modules.items()):
-            if getattr(module, "__dict__", None) is namespace:
+            if _attr(module, "__dict__") is namespace:
                 return name
         return None
 
@@ -295,5 +305,5 @@ class Rebinder:
         for owner in owners:
             module = self._module_of(owner) if type(owner) is dict else None
             if module:
-                return getattr(sys.modules[module], "__file__", None) or module, 1
+                return _attr(sys.modules[module], "__file__") or module, 1
         return "<unknown>", 0

@@ -4,11 +4,13 @@ autocast state as a block switches it.
 MegEngine decides its autocast dtypes in C++ (``dtype_promote.cpp``) and in a few Python
 functions (``amp._enabled``), where no hook reaches. So the adapter wraps the Python
 entry points of the rows where MegEngine's own autocast differs from the contract (or
-computes wrongly: its float16 pooling on the CPU), one generic wrapper per rule,
-installed on every module that binds the function by name and on ``megengine.Tensor``
-for its methods and operators. A wrapper is inert unless the innermost unified block
-asks for the contract, and runs the op with MegEngine's autocast off, as torch's
-Autocast kernels run theirs with autocast excluded: the casts are the wrapper's.
+computes wrongly: its float16 pooling on the CPU), one generic wrapper per rule, set
+on ``megengine.Tensor`` for its methods and operators and swapped into every binding the
+process holds of the others (bindings.py: MegEngine's modules, and a program's
+``from megengine.functional import softmax`` run before the first block). A wrapper
+is inert unless the innermost unified block asks for the contract, and runs the op with
+MegEngine's autocast off, as torch's Autocast kernels run theirs with autocast
+excluded: the casts are the wrapper's.
 
 Inside an ``amp.autocast(enabled=False)`` block nested in an enabled one, the wrappers
 of the contract's cast ops (every row but the "input" ones) cast mixed floating inputs
