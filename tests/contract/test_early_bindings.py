@@ -9,11 +9,16 @@ through the namespace gives, the contract's dtype for the row's own sample call.
 fresh interpreter binds them before ``import unified_amp`` and, in a second run, after
 the backend loaded but before the first block: the two moments a user's imports happen.
 
-Where a binding cannot be replaced (a closure, a default argument, a partial, a list or a
-dict holding the function, a local of a running frame), ``amp.ContractWarning`` says so
-once, naming the function and the holder; class and instance attributes get the
-contract. On torch the contract is a function mode, which sees every call whatever
-object it came through: every spelling holds there and nothing warns.
+Each secondary spelling runs the row's sample call with its own name put in; where its
+signature does not fit that call (torch's ``torch.stft`` for the FFT row), the namespace
+and the early binding are checked to raise alike (proving such a spelling's dtype is
+the coverage tests' part, not this one's).
+
+Module globals, class and instance attributes, closures and defaults get the contract;
+where no binding can be replaced (a partial, a list, a tuple or a dict holding the
+function, a local of a running function), ``amp.ContractWarning`` says so once, naming
+the function and the holder. On torch the contract is a function mode, which sees every
+call whatever object it came through: every holder gets it there and nothing warns.
 """
 
 from __future__ import annotations
