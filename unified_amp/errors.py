@@ -135,7 +135,7 @@ class ContractWarning(UserWarning):
     wrappers that replace the functions wherever the process binds them, a contract
     function held, when the first block runs, where no binding can be replaced: in a
     list, a tuple, a dict of the program's own, a ``functools.partial``, a local variable
-    of a running function. Said once per holder, when that block is entered, naming the
+    of another thread's running function. Said once per holder, when that block is entered, naming the
     function and the holder; the fix is to look the function up where it is called
     (``F.softmax(x)``) or to build the holder after the first block."""
 

@@ -8,10 +8,12 @@ wrapper runs only where a name holds it. When the wrappers are installed, every
 reference the process holds to an original is found in one pass over the objects the
 garbage collector tracks (``gc.get_referrers``, the tool code reloaders use for the same
 purpose) and swapped where it is a binding: an attribute of a module, a class or an
-object, a closure's cell, a function's default. That is what the import would have bound
-had it run after the install. A reference held in the program's data -- a list, a
-tuple, a dict of its own, a ``functools.partial``, a local variable of a running
-function -- is left alone, and named once in an ``amp.ContractWarning``.
+object, a closure's cell, a function's default, a local variable of a function waiting
+on the first block's stack (README's ``train_step(model, loss_fn, ...)``). That is what
+the import would have bound had it run after the install. A reference held in the
+program's data -- a list, a tuple, a dict of its own, a ``functools.partial`` -- or in
+another thread's running function is left alone, and named once in an
+``amp.ContractWarning``.
 
 Modules imported later get the wrappers from the names they import; only a value copied
 out of such a holder can bring an original in. The next outermost block looks at the
@@ -25,6 +27,7 @@ import gc
 import inspect
 import os
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -151,16 +154,19 @@ class Rebinder:
         no original itself (a list of them would be a holder)."""
         # Running frames first: reading a function's locals makes the dict that holds a
         # copy of them, which would be found as a holder of its own. A module's or a
-        # class body's frame runs in a namespace: its names are swapped as bindings.
-        frames = []
-        for top in sys._current_frames().values():
-            for frame in _stack(top):
+        # class body's frame runs in a namespace: its names are swapped as bindings. The
+        # functions waiting on this thread's stack for this call to return are swapped
+        # too (``_set_locals``); another thread's may run between the read and the write.
+        frames, here = [], sys._getframe()
+        for thread, top in sys._current_frames().items():
+            for frame in _stack(here if thread == threading.get_ident() else top):
                 if frame.f_code.co_filename.startswith(_OURS):
                     continue
-                if frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-                    frames.append(frame)
-                else:
+                if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
                     self._swap_in(frame.f_locals)  # a script's globals, a class body's
+                elif thread != threading.get_ident() or not self._set_locals(frame):
+                    frames.append(frame)
+        del here
         held = [h for h in map(self._locals_held, frames) if h]
         referrers = gc.get_referrers(*self._originals)
         suspended = [r for r in referrers if isinstance(r, types.FrameType)
@@ -194,6 +200,28 @@ class Rebinder:
                 held.append((holder, self._location(obj, owners.get(id(obj), [])), names,
                              f"build {holder.partition(' bound to ')[2] or 'it'}"))
         return held
+
+    def _set_locals(self, frame: types.FrameType) -> bool:
+        """Swaps the originals among ``frame``'s local variables, as a debugger sets a
+        variable (pdb's ``!name = value``: the locals' dict written back into the frame);
+        whether it could. Only for a frame that cannot run meanwhile: one waiting on
+        this thread's stack."""
+        names = {k: self._wrapper[id(v)] for k, v in frame.f_locals.items()
+                 if self._original(v) is not None}
+        if not names:
+            return True
+        try:
+            if sys.version_info >= (3, 13):  # PEP 667: f_locals writes through
+                for key, value in names.items():
+                    frame.f_locals[key] = value
+                return True
+            import ctypes
+
+            frame.f_locals.update(names)
+            ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+        except Exception:  # noqa: BLE001 -- no CPython C API here: said instead
+            return False
+        return all(self._original(frame.f_locals[k]) is None for k in names)
 
     def _locals_held(self, frame: types.FrameType) -> Any:
         names = sorted(k for k, v in frame.f_locals.items() if self._original(v) is not None)

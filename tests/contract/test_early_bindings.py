@@ -14,9 +14,10 @@ signature does not fit that call (torch's ``torch.stft`` for the FFT row), the n
 and the early binding are checked to raise alike (proving such a spelling's dtype is
 the coverage tests' part, not this one's).
 
-Module globals, class and instance attributes, closures and defaults get the contract;
-where no binding can be replaced (a partial, a list, a tuple or a dict holding the
-function, a local of a running function), ``amp.ContractWarning`` says so once, naming
+Module globals, class and instance attributes, closures, defaults and the locals of the
+functions waiting on the first block's stack get the contract; where no binding can be
+replaced (a partial, a list, a tuple or a dict holding the function, a local variable
+of another thread), ``amp.ContractWarning`` says so once, naming
 the function and the holder. On torch the contract is a function mode, which sees every
 call whatever object it came through: every holder gets it there and nothing warns.
 """
@@ -278,11 +279,11 @@ _UNREACHABLE = {
     "dict": "a dict bound to holders.ACTS",
     "list": "a list bound to holders.LIST",
     "tuple": "a tuple bound to holders.PAIR",
-    "local variable": "the local variable 'act' of local_call()",
+    "another thread's local variable": "the local variable 'act' of waiting()",
 }
 
 _HOLDERS_CHILD = textwrap.dedent("""
-    import json, sys, warnings
+    import json, sys, threading, warnings
     spec = json.loads(sys.stdin.read())
     sys.path.insert(0, spec["dir"])
     import holders
@@ -302,15 +303,29 @@ _HOLDERS_CHILD = textwrap.dedent("""
     x = kit.tensor(inputs()["x"], spec["device"], spec["low"])
 
     def local_call(x):
-        act = holders.softmax if False else holders.LIST[0]  # the original, held here
+        act = holders.LIST[0]  # the original, held by this running function
         with amp.autocast(dtype=spec["low"], device=spec["device"]):
             return act(x, -1)
+
+    ready, done = threading.Event(), threading.Event()
+
+    def waiting():  # another thread, holding the original while the first block runs
+        act = holders.LIST[0]
+        ready.set()
+        done.wait()
+        return act
+
+    thread = threading.Thread(target=waiting)
+    thread.start()
+    ready.wait()
 
     got, said = {}, []
     with kit.on_device(spec["device"]):
         with warnings.catch_warnings(record=True) as first:
             warnings.simplefilter("always")
             got["local variable"] = kit.dtype_name(local_call(x))
+        done.set()
+        thread.join()
         import late  # binds the original it copies out of holders.LIST
         with warnings.catch_warnings(record=True) as again:
             warnings.simplefilter("always")
@@ -329,7 +344,8 @@ _HOLDERS_CHILD = textwrap.dedent("""
 def test_a_function_held_where_no_binding_can_be_replaced_is_named_once(kit, device,
                                                                          tmp_path):
     """Bound before ``import unified_amp``: module globals, closures, defaults, class and
-    instance attributes get the contract; a partial, a dict, a list, a tuple and a local
+    instance attributes, and the local variables of the function the first block runs
+    in, get the contract; a partial, a dict, a list, a tuple and another thread's local
     variable keep MegEngine's own rule, and the first block says so once for each,
     naming the function and the holder (torch: every one gets the contract, nothing is
     said). A module imported later that copies the function out of such a holder gets
@@ -349,7 +365,7 @@ def test_a_function_held_where_no_binding_can_be_replaced_is_named_once(kit, dev
     native = {"megengine": row("softmax").native("megengine")}.get(kit.name, contract)
     unreachable = _UNREACHABLE if kit.name == "megengine" else {}
     wanted = {name: (LOW if name in unreachable and native != "float32" else contract)
-              for name in _CALLS}
+              for name in _CALLS}  # (the other thread makes no call)
     assert found["dtypes"] == wanted
     said = [message for category, message in found["first"] if category == "ContractWarning"]
     holders = sorted(holder for holder in unreachable.values()
