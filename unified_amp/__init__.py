@@ -28,6 +28,7 @@ from .apex.cast_registry import (
 from .errors import (
     BackendUnavailableError,
     CompileWarning,
+    ContractWarning,
     MissingCapabilityError,
     PortabilityWarning,
     ScalerArgumentError,
@@ -95,5 +96,6 @@ __all__ = [
     "StateDictError",
     "MissingCapabilityError",
     "PortabilityWarning",
+    "ContractWarning",
     "CompileWarning",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "StateDictError",
     "MissingCapabilityError",
     "PortabilityWarning",
+    "ContractWarning",
     "CompileWarning",
 ]
 
@@ -126,6 +127,17 @@ class PortabilityWarning(UserWarning):
     ``with gm:`` block of an ``amp.GradManager`` got from a backward pass the
     GradManager did not run (``loss.backward()`` where portable code calls
     ``gm.backward(loss)``; MegEngine's tensors have no ``backward()``)."""
+
+
+class ContractWarning(UserWarning):
+    """A call that the dtype contract cannot reach, so that it keeps the framework's own
+    autocast rule inside ``amp.autocast`` blocks. On MegEngine, whose contract lives in
+    wrappers that replace the functions wherever the process binds them, a contract
+    function held, when the first block runs, where no binding can be replaced: in a
+    list, a tuple, a dict of the program's own, a ``functools.partial``, a local variable
+    of another thread's running function. Said once per holder, when that block is entered, naming the
+    function and the holder; the fix is to look the function up where it is called
+    (``F.softmax(x)``) or to build the holder after the first block."""
 
 
 class CompileWarning(UserWarning):

@@ -4,11 +4,13 @@ autocast state as a block switches it.
 MegEngine decides its autocast dtypes in C++ (``dtype_promote.cpp``) and in a few Python
 functions (``amp._enabled``), where no hook reaches. So the adapter wraps the Python
 entry points of the rows where MegEngine's own autocast differs from the contract (or
-computes wrongly: its float16 pooling on the CPU), one generic wrapper per rule,
-installed on every module that binds the function by name and on ``megengine.Tensor``
-for its methods and operators. A wrapper is inert unless the innermost unified block
-asks for the contract, and runs the op with MegEngine's autocast off, as torch's
-Autocast kernels run theirs with autocast excluded: the casts are the wrapper's.
+computes wrongly: its float16 pooling on the CPU), one generic wrapper per rule, set
+on ``megengine.Tensor`` for its methods and operators and swapped into every binding the
+process holds of the others (bindings.py: MegEngine's modules, and a program's
+``from megengine.functional import softmax`` run before the first block). A wrapper
+is inert unless the innermost unified block asks for the contract, and runs the op with
+MegEngine's autocast off, as torch's Autocast kernels run theirs with autocast
+excluded: the casts are the wrapper's.
 
 Inside an ``amp.autocast(enabled=False)`` block nested in an enabled one, the wrappers
 of the contract's cast ops (every row but the "input" ones) cast mixed floating inputs
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from typing import Any, Callable
 
 import megengine
@@ -40,6 +41,7 @@ from megengine.core.tensor import amp as _amp_state
 from unified_amp import dtype_contract as table
 
 from .basics import dtype_name, on_cpu
+from .bindings import Rebinder
 
 # -- MegEngine's autocast state ---------------------------------------------------------------
 
@@ -254,23 +256,44 @@ def _rows_by_function() -> dict[tuple[int, str], tuple[Any, str, Any, list]]:
     return out
 
 
-_installed = False
+# Process-wide, as MegEngine's namespaces are: the wrappers, once swapped into the
+# process's bindings, stay there (inert outside a unified block; nothing restores the
+# originals, as nothing restores megengine.functional's), so what was swapped is the
+# process's fact, not a block's or a scaler's.
+_rebinder: Rebinder | None = None
 
 
 def install() -> None:
-    """Wraps the contract's MegEngine functions, once: on ``megengine.Tensor`` and on
-    every MegEngine module that binds each by name (modules import them directly)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    modules = [m for name, m in list(sys.modules.items())
-               if m is not None and (name == "megengine" or name.startswith("megengine."))]
+    """Wraps the contract's MegEngine functions, once, wherever the process holds them
+    (bindings.py: MegEngine's modules, ``megengine.Tensor``, and what the program bound
+    before, such as ``from megengine.functional import softmax``); at a later outermost
+    block, swaps them into the modules imported since."""
+    global _rebinder
+    if _rebinder is None:
+        _rebinder = _wrapped()
+        _rebinder.everywhere()
+    elif not policy_stack:
+        _rebinder.new_modules()
+
+
+def _wrapped() -> Rebinder:
+    """The wrappers, set on ``megengine.Tensor`` for its methods and operators (its C
+    base takes no attribute); the module functions are left to ``Rebinder``. Holds no
+    original once it returns, so that the Rebinder's pass finds only the process's."""
+    wrapped = []
     for owner, name, fn, entries in _rows_by_function().values():
-        wrapped = _wrapper(fn, entries)
+        wrapper = _wrapper(fn, entries)
         if isinstance(owner, type):
-            setattr(owner, name, wrapped)
-            continue
-        for module in modules:
-            if getattr(module, name, None) is fn:
-                setattr(module, name, wrapped)
+            setattr(owner, name, wrapper)
+        where = "megengine.Tensor" if owner is megengine.Tensor else owner.__name__
+        wrapped.append((fn, wrapper, f"{where}.{name}"))
+    return Rebinder(wrapped, shadowing=(megengine.Tensor,))
+
+
+def module_functions() -> list[tuple[str, Callable]]:
+    """(public name, wrapper) of each module-level function the contract wraps, once
+    installed (what ``tests/contract/test_early_bindings.py`` binds early)."""
+    if _rebinder is None:
+        return []
+    return [(name, w) for name, w in _rebinder.wrappers()
+            if not name.startswith("megengine.Tensor.")]

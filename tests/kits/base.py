@@ -45,13 +45,14 @@ class ContractKit:
                 for key, value in self.optimizer_state(opt)]
 
     # -- the dtype table ---------------------------------------------------------------
-    def run_call(self, call, dev, low, kind, inp):
+    def run_call(self, call, dev, low, kind, inp, names=None):
         """A row's sample call (unified_amp/dtype_contract/) on ``inp``'s arrays: the
         data tensors in the dtypes of ``kind`` (float32, ``low``, or mixed), parameters
-        float32, indices as the framework's index type."""
+        float32, indices as the framework's index type. ``names``: more names the call
+        may use (a module's globals)."""
         from ..contract.dtype_table import dtypes
 
-        scope = dict(self.call_scope())
+        scope = {**(names or {}), **self.call_scope()}
         for name, dtype in dtypes(call, kind, low).items():
             scope[name] = (self.labels(inp[name], dev) if dtype == "int"
                            else self.tensor(inp[name], dev, dtype))
