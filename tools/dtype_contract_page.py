@@ -72,6 +72,8 @@ def _notes(r: Row) -> str:
 
 def _row(r: Row) -> str:
     f32, low = CELLS[r.rule]
+    if r.refuse_low:
+        low = "error"
     megengine = _code(r.megengine) if r.megengine_call else "absent"
     own_megengine = r.native("megengine") if r.megengine_call else ""
     cells = [f"`{r.name}`", r.rule, f32, low, r.native("torch-cpu"), own_megengine,
