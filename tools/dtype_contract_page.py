@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from unified_amp.dtype_contract import ROWS, Row  # noqa: E402
+from unified_amp.dtype_contract import ROWS, Row, pairing  # noqa: E402
 
 DOC = ROOT / "docs" / "DTYPE_CONTRACT.md"
 BEGIN = "<!-- table:begin: written by tools/dtype_contract_page.py from unified_amp/dtype_contract/ -->"
@@ -46,7 +46,13 @@ def _notes(r: Row) -> str:
         notes.append("mixed float32/low inputs: float32.")
     if r.reason:
         notes.append(r.reason)
-    if not r.cuda_low:
+    if r.refuse_low:
+        notes.append("A low-precision input is refused on every device, one outcome"
+                     " everywhere: torch's CUDA kernels take none (torch raises there, with"
+                     " autocast or without: checked on fake CUDA), and the adapters raise"
+                     " the contract's error on the CPU and on MegEngine, which names the"
+                     " fix (cast the input to float32).")
+    elif not r.cuda_low:
         notes.append("torch's CUDA kernels take no low-precision input (torch raises there,"
                      " with autocast or without): the CUDA cell is checked with a float32"
                      " input.")
@@ -54,6 +60,11 @@ def _notes(r: Row) -> str:
         notes.append("bfloat16 input: an error everywhere (no complex bfloat16 dtype).")
     if r.compiled:
         notes.append(f"Under torch.compile: {r.compiled}")
+    own = [sp for sp in r.torch if sp in pairing.COMPILED_OWN]
+    if own:
+        notes.append("Under torch.compile on the CPU, a low-precision input to "
+                     + ", ".join(f"`{sp}`" for sp in own)
+                     + " keeps torch's CPU autocast (pairing.COMPILED_OWN says why).")
     if r.fake_cuda:
         notes.append(f"Not checked on fake CUDA: {r.fake_cuda}.")
     return " ".join(notes)
@@ -61,6 +72,8 @@ def _notes(r: Row) -> str:
 
 def _row(r: Row) -> str:
     f32, low = CELLS[r.rule]
+    if r.refuse_low:
+        low = "error"
     megengine = _code(r.megengine) if r.megengine_call else "absent"
     own_megengine = r.native("megengine") if r.megengine_call else ""
     cells = [f"`{r.name}`", r.rule, f32, low, r.native("torch-cpu"), own_megengine,

@@ -85,7 +85,7 @@ def policy() -> str | None:
 
 def handled(row: table.Row) -> bool:
     """Whether MegEngine's own autocast does not keep ``row`` by itself."""
-    return row.native("megengine") != row.rule or any(
+    return row.native("megengine") != row.rule or row.refuse_low or any(
         place.startswith("megengine") for place in row.float32_compute + row.wrapped)
 
 
@@ -151,6 +151,8 @@ def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -
     dtypes = {_name(t) for t in tensors if _floating(t)}
     if row.rule == "refuse":
         raise RuntimeError(f"amp.autocast: {table.REFUSALS[row.name]}")
+    if row.refuse_low and dtypes & {"float16", "bfloat16"}:
+        raise RuntimeError(table.low_refusal(row.name))
     if row.rule == "float32":
         args, kwargs = _cast(args, kwargs, "float32", ("float16", "bfloat16"))
         return _without_autocast(fn, args, kwargs)
@@ -209,12 +211,39 @@ def _which(entries: list[tuple[str, str, table.Row]], fn: Callable, args: Any,
     return entries[-1][2]
 
 
-def _wrapper(fn: Callable, entries: list[tuple[str, str, table.Row]]) -> Callable:
+# MegEngine's in-place operators: ``self._reset(result)`` of the operator's result (its
+# dtype whatever it is); torch's keep the receiver's dtype. (Not ``@=``: torch has no
+# in-place matmul, so ``x @= w`` is ``x = x @ w`` there, the matmul row's dtype.)
+_IN_PLACE = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
+                       "__ifloordiv__", "__imod__"})
+
+
+def _in_place(result: Any, receiver: Any) -> Any:
+    """``receiver`` holding ``result`` in the receiver's dtype, as torch's in-place
+    operators leave it (MegEngine's would take the result's dtype)."""
+    if isinstance(receiver, megengine.Tensor) and isinstance(result, megengine.Tensor):
+        if result is not receiver:
+            if dtype_name(result.dtype) != dtype_name(receiver.dtype) and _floating(result):
+                result = result.astype(receiver.dtype)
+            receiver._reset(result)
+        return receiver
+    return result
+
+
+def _wrapper(fn: Callable, entries: list[tuple[str, str, table.Row]],
+             name: str = "") -> Callable:
+    in_place = name in _IN_PLACE
+
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         state = policy()
         if state is None:
             return fn(*args, **kwargs)
+        if in_place and args and isinstance(args[0], megengine.Tensor):
+            # the operator itself (``x / y``: wrapped or not, as its own row says), its
+            # result kept in the receiver, in the receiver's dtype
+            operator = getattr(type(args[0]), name.replace("__i", "__", 1))
+            return _in_place(operator(*args, **kwargs), args[0])
         row = _which(entries, fn, args, kwargs)
         if state == CONTRACT:
             if not _amp_state._enabled or not handled(row):
@@ -282,7 +311,7 @@ def _wrapped() -> Rebinder:
     original once it returns, so that the Rebinder's pass finds only the process's."""
     wrapped = []
     for owner, name, fn, entries in _rows_by_function().values():
-        wrapper = _wrapper(fn, entries)
+        wrapper = _wrapper(fn, entries, name)
         if isinstance(owner, type):
             setattr(owner, name, wrapper)
         where = "megengine.Tensor" if owner is megengine.Tensor else owner.__name__

@@ -86,9 +86,18 @@ def handled_devices(row: table.Row) -> frozenset[str]:
     row's ops differ from the table's."""
     devs = {dev for dev in _KEYS if drifted(row, dev)}
     if row.native("torch-cpu") != row.rule or any(
-            place.startswith("torch-cpu") for place in row.float32_compute):
+            place.startswith("torch-cpu") for place in row.float32_compute) \
+            or _partly_registered_on_cpu(row) or row.refuse_low:
         devs.add("cpu")
     return frozenset(devs)
+
+
+def _partly_registered_on_cpu(row: table.Row) -> bool:
+    """A row that autocast casts (every rule but "input") some of whose ops torch's CPU
+    autocast does not register: its first spelling may be kept by torch on the CPU, but
+    not the others (torch.dist beside cdist, torch.convolution beside conv2d)."""
+    recorded = _recorded()["cpu"]
+    return row.rule not in ("input", "refuse") and any(op not in recorded for op in row.aten)
 
 
 # -- the pieces every handler uses ---------------------------------------------------------
@@ -212,6 +221,7 @@ Handler = Callable[[Any, Any, dict[str, Any]], Any]
 def _handler(row: table.Row, where: frozenset[str]) -> Handler:
     rule, name = row.rule, row.name
     float32_places = row.float32_compute
+    refuses_low = row.refuse_low  # as torch's CUDA kernels do, on every device
 
     def computes_in_float32(dev: str, low: torch.dtype) -> bool:
         return (f"torch-{dev}" in float32_places
@@ -228,6 +238,8 @@ def _handler(row: table.Row, where: frozenset[str]) -> Handler:
         dev = _autocast_device(args, kwargs, where)
         if dev is None:
             return func(*args, **kwargs)
+        if refuses_low and _floating_dtypes(args, kwargs, dev) & set(LOW):
+            raise RuntimeError(table.low_refusal(name))
         if rule == "float32":  # torch's fp32 kernels: low-precision inputs up
             args, kwargs = _cast(args, kwargs, dev, torch.float32, LOW)
             return func(*args, **kwargs)

@@ -13,16 +13,17 @@ import re
 
 import numpy as np
 
-from unified_amp.dtype_contract import ROWS, SAMPLES, Row, expected_dtype, row
+from unified_amp.dtype_contract import ROWS, SAMPLES, Row, expected_dtype, pairing, row
 
 __all__ = ["ROWS", "Row", "row", "inputs", "names", "dtypes", "expected", "label",
-           "round_through", "call_of", "on_this_torch", "torch_has", "CASES", "NOT_TRAINED"]
+           "round_through", "call_of", "spelling_calls", "on_this_torch", "torch_has", "CASES",
+           "NOT_TRAINED"]
 
 LOWS = ("float16", "bfloat16")
 # Sample tensors no gradient reaches: targets, batch norm's running statistics, the
 # random samples of fractional max pooling.
-NOT_TRAINED = {"target", "t01", "tpos", "sign", "sign4", "ch_mean", "ch_var", "rs", "doff",
-               "dmask"}
+NOT_TRAINED = {"target", "t01", "tpos", "sign", "sign4", "ch_mean", "ch_var", "rs", "rs3",
+               "doff", "dmask"}
 
 
 def _values(rng: np.random.RandomState, shape: tuple[int, ...], domain: str) -> np.ndarray:
@@ -100,6 +101,8 @@ def expected(r: Row, kind: str, low: str, call: str | None = None) -> str:
     types = dtypes(call, kind, low)
     data = [types[n] for n in names(call) if SAMPLES[n][1] == "data"]
     params = [types[n] for n in names(call) if SAMPLES[n][1] == "param"]
+    if r.follows_first and data:  # batch norm, in-place operators: the first tensor's
+        return data[0]
     return expected_dtype(r.rule, data, params, low)
 
 
@@ -134,6 +137,27 @@ def call_of(r: Row, framework: str) -> str | None:
     if framework == "torch":
         return r.torch_call if on_this_torch(r) else None
     return r.megengine_call
+
+
+def spelling_calls(r: Row, framework: str) -> list[tuple[str, str]]:
+    """Each spelling of the row on ``framework`` that it has here, with its sample call
+    (``pairing.call_for``): every one is proved, not only the first. On torch, a spelling
+    this torch lacks is left out (an older or newer torch than the table's)."""
+    if call_of(r, framework) is None:
+        return []
+    if framework == "torch":
+        from unified_amp.backends.torch_backend.dtype_contract import resolve
+
+        spellings = [s for s in r.torch if resolve(s) is not None]
+        calls, base = pairing.TORCH_CALLS, r.torch_call
+    else:
+        spellings, calls, base = list(r.megengine), pairing.MEGENGINE_CALLS, r.megengine_call
+    out = []
+    for s in spellings:
+        call = pairing.call_for(r.name, base, s, calls)
+        assert call is not None, f"{r.name!r}: give {s} a sample call in pairing.py"
+        out.append((s, call))
+    return out
 
 
 def _word(dtype: str, low: str) -> str:

@@ -35,10 +35,17 @@ LOWS = ["float16", "bfloat16"]
 UNSUPPORTED = {("megengine", "cpu", "bfloat16")}
 
 
+def refused(r, device):
+    """Whether a low-precision input to the row raises on ``device``: everywhere for a
+    row that refuses one (``refuse_low``), on CUDA where torch's kernels take none
+    (``cuda_low``; torch raises there, docs/DTYPE_CONTRACT.md)."""
+    return r.refuse_low or (device == "cuda" and not r.cuda_low)
+
+
 def want(r, kind, low, call, device="cpu"):
     """The contract's dtype for a cell, or "error"."""
-    if r.no_bfloat16 and low == "bfloat16" and kind != "float32":
-        return "error"
+    if (r.no_bfloat16 and low == "bfloat16" or refused(r, device)) and kind != "float32":
+        return "error"  # no complex bfloat16; no low-precision kernel on torch's CUDA
     return expected(r, kind, low, call)
 
 
@@ -94,6 +101,8 @@ def test_output_dtype(kit, device, name, low):
             assert isinstance(detail, RuntimeError), detail
             if r.rule == "refuse":
                 assert "with_logits" in str(detail), detail
+            elif r.refuse_low and device == "cpu":  # CUDA's error is torch's own
+                assert str(detail) == dtype_contract.low_refusal(name), detail
         else:
             assert np.all(np.isfinite(detail)), (name, kind, low)
 
@@ -113,8 +122,8 @@ def test_values_match_float32_within_low_precision_tolerance(kit, device, name, 
     if call is None or (kit.name, device, low) in UNSUPPORTED:
         return  # test_output_dtype checks the absence / that the block refuses
     kind = "low"
-    if r.no_bfloat16 and low == "bfloat16":
-        kind = "float32"  # a bfloat16 input raises (test_output_dtype)
+    if r.no_bfloat16 and low == "bfloat16" or refused(r, device):
+        kind = "float32"  # a low-precision input raises (test_output_dtype)
     inp = {k: round_through(v, low) for k, v in inputs().items()}
     reference = kit.numpy(kit.run_call(call, device, low, "float32", inp))
     with amp.autocast(dtype=low, device=device):
@@ -123,7 +132,13 @@ def test_values_match_float32_within_low_precision_tolerance(kit, device, name, 
     np.testing.assert_allclose(got, reference, rtol=tol, atol=tol, err_msg=name)
 
 
-@pytest.mark.parametrize("name", [r.name for r in ROWS if r.rule != "refuse"])
+# Rows with no gradient to check: torch has no derivative for floor_divide ("derivative
+# for aten::floor_divide is not implemented"), with autocast or without.
+NO_GRADIENT = {"floor division"}
+
+
+@pytest.mark.parametrize("name", [r.name for r in ROWS if r.rule != "refuse"
+                                  and r.name not in NO_GRADIENT])
 def test_gradients_keep_their_inputs_dtypes(kit, device, name):
     """A backward pass through each row under the contract (float16 data, float32
     weights) gives every input a gradient of its own dtype: MegEngine's own autocast
@@ -133,6 +148,11 @@ def test_gradients_keep_their_inputs_dtypes(kit, device, name):
     if call is None:
         return
     inp = inputs()
+    if refused(r, device):  # a float16 input is refused (test_output_dtype): float32 data
+        wrong = {n: g for n, g in _gradient_dtypes(kit, device, call, inp, "float32").items()
+                 if g not in (None, "float32")}
+        assert not wrong, (name, wrong)
+        return
     with kit.on_device(device):
         scope, leaves = dict(kit.call_scope()), {}
         for n, dtype in dtypes(call, "low", "float16").items():
@@ -147,6 +167,21 @@ def test_gradients_keep_their_inputs_dtypes(kit, device, name):
     wrong = {n: g for n, (t, g) in zip(leaves, zip(leaves.values(), grads))
              if g is not None and g != kit.dtype_name(t)}
     assert not wrong, (name, wrong)
+
+
+def _gradient_dtypes(kit, device, call, inp, data_dtype):
+    with kit.on_device(device):
+        scope, leaves = dict(kit.call_scope()), {}
+        for n, dtype in dtypes(call, "float32", "float16").items():
+            if dtype == "int":
+                scope[n] = kit.labels(inp[n], device)
+            elif n in NOT_TRAINED:
+                scope[n] = kit.tensor(inp[n], device, data_dtype)
+            else:
+                scope[n] = leaves[n] = kit.param(inp[n], device, data_dtype)
+        grads = kit.grads_of(lambda: eval(call, scope), list(leaves.values()),  # noqa: S307
+                             lambda: amp.autocast(dtype="float16", device=device))
+    return dict(zip(leaves, grads))
 
 
 @pytest.mark.parametrize("low", LOWS)

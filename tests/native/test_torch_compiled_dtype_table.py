@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import unified_amp as amp
+from unified_amp.dtype_contract import pairing
 from unified_amp.backends.torch_backend import dtype_contract as adapter
 
-from ..contract.dtype_table import ROWS, call_of, dtypes, expected, inputs, names
+from ..contract.dtype_table import ROWS, call_of, dtypes, expected, inputs, names, row, spelling_calls
 
 pytestmark = pytest.mark.timeout(900)
 LOW = "bfloat16"
@@ -27,7 +28,7 @@ def kept(kind):
     torch call; not the refusal, nor an FFT of a bfloat16 input: both raise, eagerly
     and compiled alike (tests/contract)."""
     return [r for r in ROWS if call_of(r, "torch") and "cpu" in adapter.handled_devices(r)
-            and r.rule != "refuse" and not (r.no_bfloat16 and kind != "float32")
+            and r.rule != "refuse" and not ((r.no_bfloat16 or r.refuse_low) and kind != "float32")
             and r.name not in UNTRACEABLE]
 
 
@@ -89,3 +90,56 @@ def test_the_rows_the_mode_keeps_hold_compiled(kind):
     # the rows whose note says compiled code keeps torch's own rule (Row.compiled)
     assert len(rows) > 50 and set(wrong) == {r.name for r in rows if r.compiled
                                              and kind == "low"}, wrong
+
+
+@pytest.mark.parametrize("kind", ["float32", "low"])
+def test_every_spelling_of_the_rows_the_mode_keeps_holds_compiled(kind):
+    """Not only each row's first spelling: every spelling of the rows the mode keeps
+    (pairing.call_for), compiled, gives the contract's dtype, but where the row's note
+    says compiled code keeps torch's own rule (``Row.compiled``). Graph breaks are
+    allowed here: the internal bindings some spellings name (``torch._VF.chain_matmul``)
+    are builtins dynamo does not trace, and run eagerly between graphs."""
+    inp = inputs()
+    cases = [(r, s, call) for r in kept(kind) for s, call in spelling_calls(r, "torch")
+             if not (kind == "low" and "raises" in pairing.COMPILED_OWN.get(s, ""))]
+    calls = [(eval(f"lambda {', '.join(names(call))}: {call}",  # noqa: S307
+                   {"torch": torch, "F": F}),
+              [torch.from_numpy(inp[n]) if dtype == "int"
+               else torch.from_numpy(inp[n]).to(getattr(torch, dtype))
+               for n, dtype in dtypes(call, kind, LOW).items()]) for _, _, call in cases]
+
+    def block():
+        with amp.autocast(dtype=LOW, device="cpu"):
+            return [fn(*args) for fn, args in calls]
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(block, backend="aot_eager")()
+    finally:
+        torch._dynamo.reset()
+    wrong = {(r.name, s): (str(out.dtype), expected(r, kind, LOW, call))
+             for (r, s, call), out in zip(cases, got)
+             if str(out.dtype).removeprefix("torch.") != expected(r, kind, LOW, call)}
+    # compiled code keeps torch's own rule for these (pairing.COMPILED_OWN, Row.compiled)
+    noted = {(r.name, s) for r, s, _ in cases if kind == "low" and (
+        s in pairing.COMPILED_OWN or r.compiled and s == r.torch[0])}
+    assert len(cases) > 150 and set(wrong) == noted, (set(wrong) ^ noted, wrong)
+    if kind == "low":  # and those that raise compiled, raise
+        for r in kept(kind):
+            for s, call in spelling_calls(r, "torch"):
+                if "raises" in pairing.COMPILED_OWN.get(s, ""):
+                    fn = eval(f"lambda {', '.join(names(call))}: {call}",  # noqa: S307
+                              {"torch": torch, "F": F})
+                    args = [torch.from_numpy(inp[n]).to(getattr(torch, d))
+                            for n, d in dtypes(call, kind, LOW).items()]
+
+                    def one():
+                        with amp.autocast(dtype=LOW, device="cpu"):
+                            return fn(*args)  # noqa: B023
+
+                    torch._dynamo.reset()
+                    try:
+                        with pytest.raises(NotImplementedError):
+                            torch.compile(one, backend="aot_eager")()
+                    finally:
+                        torch._dynamo.reset()

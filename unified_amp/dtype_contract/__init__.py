@@ -29,13 +29,13 @@ expressions over the tensors of ``SAMPLES``, evaluated by the tests.
 
 from dataclasses import replace
 
-from . import natives, rows_compute, rows_other, rows_reduce
+from . import natives, pairing, rows_compute, rows_other, rows_reduce, torch_public
 from .row import SAMPLES, Row
 from .natives import (CPU_REGISTRATIONS, CUDA_REGISTRATIONS, LATER_REGISTRATIONS,
                       TABLE_MEGENGINE, TABLE_TORCH)
 
 __all__ = ["Row", "ROWS", "RULES", "SAMPLES", "CUDA_REGISTRATIONS", "CPU_REGISTRATIONS",
-           "LATER_REGISTRATIONS", "TABLE_TORCH", "TABLE_MEGENGINE", "REFUSALS", "row",
+           "LATER_REGISTRATIONS", "TABLE_TORCH", "TABLE_MEGENGINE", "REFUSALS", "row", "low_refusal",
            "expected_dtype"]
 
 RULES = ("low", "float32", "promote", "input", "refuse")
@@ -63,6 +63,18 @@ REFUSALS = {
         " which is safe to autocast; or run the loss under amp.autocast(enabled=False)"
         " on float32 inputs."),
 }
+
+def low_refusal(row_name: str) -> str:
+    """The error of a low-precision input to a row with no low-precision kernel on
+    torch's CUDA (``Row.refuse_low``), raised by the adapters on torch's CPU and on
+    MegEngine; on CUDA torch raises its own ("not implemented for 'Half'", "Low
+    precision dtypes not supported"), with autocast or without."""
+    return (f"amp.autocast: {row_name} has no float16 or bfloat16 kernel on torch's CUDA"
+            f" (torch raises there, with autocast or without), so the contract refuses a"
+            f" low-precision input on every device and backend alike. Cast the input to"
+            f" float32 first (x.float() on torch, x.astype('float32') on MegEngine): the op"
+            f" then computes in float32 and returns float32.")
+
 
 def expected_dtype(rule: str, data: list[str], params: list[str], low: str) -> str:
     """The dtype a row's op gives inside an enabled block computing in ``low``, for data

@@ -78,7 +78,9 @@ TORCH_CPU: dict[str, str] = {
     'QR': 'float32',
     'SVD': 'float32',
     'eigendecomposition': 'float32',
+    'general eigendecomposition': 'float32',
     'FFT': 'float32',
+    'real-valued FFT': 'float32',
     'complex from real': 'float32',
     'fake quantize': 'float32',
 }
@@ -97,6 +99,7 @@ MEGENGINE: dict[str, str] = {
     'prelu': 'float32',
     'atan2': 'float32, mixed: float32',
     'divide': 'float32, mixed: float32',
+    'in-place arithmetic': 'input, mixed: float32',
     'sqrt': 'float32',
     'sin': 'float32',
     'cos': 'float32',

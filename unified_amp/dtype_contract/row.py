@@ -80,6 +80,8 @@ SAMPLES: dict[str, tuple[tuple[int, ...], str, str]] = {
     "ctc_targets": ((2, 2), "int", "ctc"),
     "ctc_in_len": ((2,), "int", "four"),
     "ctc_tg_len": ((2,), "int", "two"),
+    # (added last: the values drawn for the others stay as they were)
+    "rs3": ((1, 2, 3), "data", "half"),  # fractional max pooling's samples in 3-d
 }
 
 
@@ -105,7 +107,11 @@ class Row:
     there: "torch-cpu", "torch-cpu-float16", "megengine", "megengine-cpu". ``reason``
     says why, and why a native differs. ``cuda_low``: False where torch's CUDA kernels
     take no low-precision input (torch raises there, with autocast or without), so the
-    CUDA cell is checked with a float32 input only. ``fake_cuda``: why fake CUDA
+    CUDA cell is checked with a float32 input only. ``refuse_low``: such a row whose
+    every spelling fake CUDA shows torch refusing a low-precision input on CUDA: the
+    contract refuses one on every device and backend, one outcome everywhere (the
+    adapters raise ``low_refusal``'s error, which names the fix, cast to float32; CUDA's
+    is torch's own), which keeps CUDA free of any Python call. ``fake_cuda``: why fake CUDA
     (FakeTensorMode) cannot run the sample call, where it cannot. ``fuzz``: whether the
     autocast fuzz draws the row. ``mixed``: also checked with mixed float32/low inputs
     (always for "promote" rows). ``no_bfloat16``: the op's output is complex, and no
@@ -140,6 +146,7 @@ class Row:
     float32_compute: tuple[str, ...] = ()
     reason: str = ""
     cuda_low: bool = True
+    refuse_low: bool = False
     fake_cuda: str = ""
     fuzz: bool = True
     mixed: bool = False

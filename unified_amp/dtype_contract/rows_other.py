@@ -85,11 +85,11 @@ ROWS: tuple[Row, ...] = (
        "torch.inverse Tensor.inverse torch.linalg.inv torch.linalg.inv_ex torch.pinverse"
        " torch.linalg.pinv torch.linalg.tensorinv", "torch.linalg.inv(sq)", "F.matinv",
        "F.matinv(sq)", fuzz=False,
-       cuda_low=False),
+       cuda_low=False, refuse_low=True),
     _r("linear solve", "linalg", "input",
        "linalg_solve lu_solve _lu_with_info triangular_solve cholesky_solve linalg_lstsq"
        " linalg_tensorsolve",
-       "torch.linalg.solve torch.lu_solve torch.triangular_solve torch.cholesky_solve"
+       "torch.linalg.solve torch.linalg.lu_factor torch.lu_solve torch.triangular_solve torch.cholesky_solve"
        " torch.linalg.lstsq torch.linalg.tensorsolve torch.linalg.solve_ex",
        "torch.linalg.solve(sq, y4)", fuzz=False,
        cuda_low=False),
@@ -107,18 +107,20 @@ ROWS: tuple[Row, ...] = (
        "svd linalg_svd linalg_svdvals linalg_matrix_rank linalg_matrix_rank.atol_rtol_float"
        " linalg_matrix_rank.atol_rtol_tensor linalg_matrix_rank.tol_tensor linalg_cond"
        " linalg_cond.p_str",
-       "torch.svd torch.linalg.svd torch.linalg.svdvals torch.linalg.matrix_rank"
-       " torch.linalg.cond", "torch.linalg.svdvals(sq)", "F.svd",
+       "torch.svd torch.linalg.svd torch.linalg.svdvals torch.linalg.cond", "torch.linalg.svdvals(sq)", "F.svd",
        "F.svd(sq)[1]", fuzz=False,
        cuda_low=False,
        float32_compute="megengine",
        reason="MegEngine: no float16 SVD (\"non-float32 tensors is not supoorted\"); the"
               " adapter computes it in float32 and returns float16."),
-    _r("eigendecomposition", "linalg", "input",
-       "linalg_eig linalg_eigvals linalg_eigh linalg_eigvalsh",
-       "torch.linalg.eig torch.linalg.eigvals torch.linalg.eigh torch.linalg.eigvalsh",
-       "torch.linalg.eigvalsh(spd)", fuzz=False,
+    _r("eigendecomposition", "linalg", "input", "linalg_eigh linalg_eigvalsh",
+       "torch.linalg.eigh torch.linalg.eigvalsh", "torch.linalg.eigvalsh(spd)", fuzz=False,
        cuda_low=False),
+    _r("general eigendecomposition", "linalg", "input", "linalg_eig linalg_eigvals",
+       "torch.linalg.eig torch.linalg.eigvals", "torch.linalg.eigvals(spd).real", fuzz=False,
+       cuda_low=False, no_bfloat16=True,
+       reason="Complex eigenvalues (an eigendecomposition row's spellings until 0.4.0, whose"
+              " real eigh and eigvalsh take a bfloat16 input, where these raise)."),
     _r("symmetric matrix square root", "linalg", "float32", "linalg_matrix_sqrth",
        "torch.linalg.matrix_sqrth", "torch.linalg.matrix_sqrth(spd)", fuzz=False,
        torch_since="2.14",
@@ -127,13 +129,18 @@ ROWS: tuple[Row, ...] = (
               " autocast)."),
     # -- spectral and complex ---------------------------------------------------------------
     _r("FFT", "spectral", "input",
-       "fft_fft fft_fft2 fft_fftn fft_hfft fft_ifft fft_ifft2 fft_ifftn fft_ihfft fft_irfft"
-       " fft_irfft2 fft_irfftn fft_rfft fft_rfft2 fft_rfftn stft stft.center",
-       "torch.fft.fft torch.fft.fft2 torch.fft.fftn torch.fft.hfft torch.fft.ifft"
-       " torch.fft.ifft2 torch.fft.ifftn torch.fft.ihfft torch.fft.irfft torch.fft.irfft2"
-       " torch.fft.irfftn torch.fft.rfft torch.fft.rfft2 torch.fft.rfftn torch.stft torch._VF.stft",
+       "fft_fft fft_fft2 fft_fftn fft_ifft fft_ifft2 fft_ifftn fft_ihfft fft_rfft fft_rfft2"
+       " fft_rfftn stft stft.center",
+       "torch.fft.fft torch.fft.fft2 torch.fft.fftn torch.fft.ifft torch.fft.ifft2"
+       " torch.fft.ifftn torch.fft.ihfft torch.fft.rfft torch.fft.rfft2 torch.fft.rfftn"
+       " torch.stft torch._VF.stft",
        "torch.fft.rfft(x).abs()", fuzz=False,
        cuda_low=False, no_bfloat16=True),
+    _r("real-valued FFT", "spectral", "input", "fft_hfft fft_irfft fft_irfft2 fft_irfftn",
+       "torch.fft.irfft torch.fft.irfft2 torch.fft.irfftn torch.fft.hfft",
+       "torch.fft.irfft(x)", fuzz=False, cuda_low=False,
+       reason="The FFTs with a real output (FFT's spellings until 0.4.0, whose complex"
+              " outputs have no bfloat16 dtype, where these give bfloat16)."),
     _r("complex from real", "spectral", "input", "view_as_complex polar",
        "torch.view_as_complex torch.polar torch.complex", "torch.view_as_complex(pair).abs()",
        fuzz=False, megengine_absent="view_as_complex",
