@@ -13,4 +13,4 @@ def pytest_configure(config):
     # Many tests plant long runs of overflows on purpose; the tests of the warning
     # itself (test_forensics_*.py) record it with their own filters.
     config.addinivalue_line("filterwarnings",
-                            "ignore::unified_amp.forensics.OverflowWarning")
+                            "ignore::unified_amp.errors.OverflowWarning")

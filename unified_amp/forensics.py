@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 
 from . import _foreign, _tracing
 from .capabilities import ForensicsProbes, capability, require
-from .errors import _user_stacklevel
+from .errors import OverflowWarning, _user_stacklevel
 from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .pinning import pin_expression
@@ -56,10 +56,6 @@ __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning"
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
 _LISTED = 5  # gradients named in a report line; the rest are counted
-
-
-class OverflowWarning(RuntimeWarning):
-    """A GradScaler keeps skipping steps: every gradient it checks holds an inf/NaN."""
 
 
 @dataclass(frozen=True)
@@ -535,7 +531,6 @@ class ScalerForensics:
         self.last: OverflowReport | None = None
         self._run = 0  # skipped steps in a row
         self._warned = False  # this run of skipped steps has been warned about
-        self._stall_warned = False  # overflows with no update() between: warned about
 
     def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
         _check_int("warn_after", warn_after, 1)
@@ -583,24 +578,6 @@ class ScalerForensics:
                           f" {exc}); the step was skipped as usual.", RuntimeWarning,
                           stacklevel=_user_stacklevel())
 
-    def gradients_dropped(self, params: list[Any], overflows_since_update: int,
-                          scale: float) -> None:
-        """The scale backs off only in update(), so a loop of megengine.amp's manual
-        form that never calls it skips every step at the same scale: said once."""
-        overflows = overflows_since_update
-        if self._stall_warned or overflows < max(2, self.warn_after):
-            return
-        self._stall_warned = True
-        last = f" Last: {self.last.line()}" if self.last is not None else ""
-        warnings.warn(OverflowWarning(
-            f"unified_amp: {overflows} gradient checks since the last scaler.update() found"
-            f" inf/NaN gradients and dropped them, so the weights have not moved; the loss"
-            f" scale stays {scale:g}, because only update() backs it off. Call"
-            f" scaler.update() once per iteration, after the optimizer step"
-            f" (megengine.amp's manual form: gm.backward(scaler.scale(loss)),"
-            f" scaler.unscale(gm), opt.step(), scaler.update()).{last}"),
-            stacklevel=_user_stacklevel())
-
     def updated(self, skipped: bool, scale: float, step: int) -> None:
         """Follows runs of skipped steps; warns once per run that goes on too long."""
         if not skipped:
@@ -624,7 +601,6 @@ class ScalerForensics:
             stacklevel=_user_stacklevel())
 
     def iteration_ended(self) -> None:
-        self._stall_warned = False
         self.loss = None
         if self._traces is not None:
             self._traces.passed()  # this scaler's next report reads only newer flags

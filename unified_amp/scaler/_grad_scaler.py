@@ -295,7 +295,7 @@ class GradScaler:
         it as ``dy`` to ``gm.backward``)."""
         machine = self._machine
         machine.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
-        machine.iteration.hand_out(None)
+        machine.hand_out(None)
         machine.dropped.forget()
         return self.get_scale()
 

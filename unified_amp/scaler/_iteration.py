@@ -10,6 +10,7 @@ machine's (_machine.py); ``update()`` starts a new one.
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any
 
 from ..errors import ScalerStateError
@@ -82,7 +83,8 @@ class Iteration:
 
     __slots__ = ("optimizers", "checks", "folded_checks", "folded_overflows",
                  "handed_watched", "handed_unwatched", "awaiting_backward",
-                 "backward_seen", "recorded_while_awaiting")
+                 "backward_seen", "recorded_while_awaiting", "scaled_outputs",
+                 "overflowed", "overflow_step", "warned_no_update")
 
     def __init__(self) -> None:
         self.optimizers: dict[int, OptimizerStage] = {}
@@ -94,6 +96,14 @@ class Iteration:
         self.awaiting_backward: list[Any] = []  # tokens of outputs no backward went through
         self.backward_seen = False  # a backward went through a watched output
         self.recorded_while_awaiting = False  # a ledger record was made while one awaited
+        # the last scale() outputs (weakly: an id() could be a new tensor's), for a
+        # GradManager's backward of one to mark the gradients it writes (_scaled.py)
+        self.scaled_outputs: list[Any] = []
+        # id()s of the params whose gradients a check found inf/NaN in, the first such
+        # check's step, and whether a later check of them warned (no update() between)
+        self.overflowed: set[int] = set()
+        self.overflow_step = 0
+        self.warned_no_update = False
 
     def optimizer(self, optimizer: Any) -> OptimizerStage:
         stage = self.optimizers.get(id(optimizer))
@@ -132,6 +142,22 @@ class Iteration:
         if len(self.awaiting_backward) >= _MAX_AWAITED:
             del self.awaiting_backward[0]
         self.awaiting_backward.append(token)
+
+    def overflow_at(self, params: list[Any], step: int) -> None:
+        """A check of ``params``' gradients, deciding ``step``, found an inf/NaN."""
+        if not self.overflowed:
+            self.overflow_step = step
+        self.overflowed.update(map(id, params))
+
+    def scaled(self, output: Any) -> None:
+        """``output`` is a ``scale()`` output."""
+        outputs = self.scaled_outputs
+        if len(outputs) >= _MAX_AWAITED:
+            del outputs[0]
+        try:
+            outputs.append(weakref.ref(output))
+        except TypeError:  # not weakly referenceable: not followed
+            pass
 
     def still_awaiting(self, probes: Any) -> bool:
         """Whether a watched output still awaits a backward pass the adapter can see;

@@ -31,10 +31,10 @@ import warnings
 import weakref
 from typing import Any, Protocol, Sequence
 
-from .. import _foreign, _overflowed, _tracing, distributed
+from .. import _foreign, _overflowed, _scaled, _tracing, distributed
 from .._registry import get_backend
 from .._scale_rule import valid_scale
-from ..errors import ScalerStateError, _user_stacklevel
+from ..errors import OverflowWarning, ScalerStateError, _user_stacklevel
 from ..capabilities import (BackwardProbes, Collectives, DeviceResident, GradVersions,
                             Tracing, capability)
 from ._iteration import Check, Iteration, Stage
@@ -56,10 +56,6 @@ class Listener(Protocol):
         dropped them: in scaler step ``step``, scaled by ``scale``;
         ``overflows_since_update`` checks since the last update() found one, this one
         included."""
-
-    def gradients_dropped(self, params: list[Any], overflows_since_update: int,
-                          scale: float) -> None:
-        """megengine.amp's forms dropped the overflowed gradients of ``params``."""
 
     def updated(self, skipped: bool, scale: float, step: int) -> None:
         """An update() that followed a check: step ``step`` was skipped or taken, and
@@ -120,6 +116,8 @@ class ScalerMachine:
         self.stepped_after_update: dict[int, list[Check]] = {}
         self.optimizer_params = OptimizerParams()
         self.scaler = weakref.ref(scaler)  # for step(grad_scaler=...)
+        self.ref = weakref.ref(self)  # what the marks of scaled gradients hold (_scaled.py)
+        self.in_backward = False  # inside backward(gm, loss), which marks by itself
         # An adapter may take the optimizer's own step out of step(): torch does inside
         # a compiled function, so that dynamo compiles the optimizer's step as it does
         # under torch.amp, while the scaler's host work runs eagerly (AdapterView).
@@ -136,6 +134,32 @@ class ScalerMachine:
         if self._backend is None:
             self._backend = get_backend()
         return self._backend
+
+    # -- gradients still scaled (_scaled.py: clip_grad_norm refuses them) ------------------
+    def hand_out(self, token: Any) -> None:
+        """The scale went out (``Iteration.hand_out``)."""
+        self.iteration.hand_out(token)
+        _scaled.handed_out(self.ref)
+
+    def scaled_backward(self, ys: list[Any], dys: list[Any] | None) -> bool:
+        """Whether a GradManager's backward pass of ``ys`` carries this scaler's scale:
+        a ``scale()`` output of this iteration, or a ``dy`` after ``scale_factor`` was
+        read (its own backward(gm, loss) marks what it leaves scaled itself)."""
+        iteration = self.iteration
+        if self.in_backward:
+            return False
+        if dys is not None:
+            return iteration.handed_unwatched
+        outputs = iteration.scaled_outputs
+        return any(ref() is y for ref in outputs for y in ys)
+
+    def unscaled(self, params: list[Any]) -> bool:
+        """Whether a check unscaled every gradient ``params`` hold now."""
+        try:
+            pending = self.split(params)[0]
+        except RuntimeError:  # gradients that mix both: unscale() says so, not clip
+            return True
+        return not pending
 
     def current_scale(self) -> float:
         self.scale_state.sync_from_device()
@@ -165,7 +189,8 @@ class ScalerMachine:
         else:
             out = adapter.backend.scale(tensor, self.scale_state.scale)
         probes = adapter.backward_probes
-        self.iteration.hand_out(None if probes is None else probes.backward_token(out))
+        self.hand_out(None if probes is None else probes.backward_token(out))
+        self.iteration.scaled(out)
         # A backward may follow: the records' versions are read now, before it.
         self.ledger.new_backward(adapter.grad_version)
         return out
@@ -207,11 +232,16 @@ class ScalerMachine:
                 device_scale.rescale(held)
             else:  # the fused check-and-multiply kernel, given the scale itself
                 backend.unscale_and_check(held, scale_state.scale, True)
-        self.iteration.hand_out(None)
+        self.hand_out(None)
         for listener in self.listeners:
             listener.scaled(ys)
-        gm.backward(ys, cotangents)
+        self.in_backward = True
+        try:
+            gm.backward(ys, cotangents)
+        finally:
+            self.in_backward = False
         if not unscale_grad:
+            _scaled.mark(attached, self, self.ref)  # left scaled, to accumulate
             return
         # Every attached gradient is new: the ledger has nothing to say about them.
         self.unscale(gm, "unscale()", drop=True, split=by_grad(attached))
@@ -259,6 +289,8 @@ class ScalerMachine:
                 f" unless unscale_grad=False); a gm.backward(loss, dy=scale_factor) into"
                 f" gradients that were not cleared also adds to unscaled ones."
             )
+        if self.iteration.overflowed and pending:
+            self.warn_if_no_update_since_overflow(pending)
         solo = self.solo()
         agreement, divide = (None if solo else False), True
         if pending:
@@ -275,9 +307,6 @@ class ScalerMachine:
             backend.drop_grads(pending)  # so that any optimizer step leaves them alone
             self.dropped.add(pending)  # (marked for clip_grad_norm)
             grads = [None] * len(pending)
-            overflows, scale = self.iteration.overflows(), self.scale_state.scale
-            for listener in self.listeners:
-                listener.gradients_dropped(pending, overflows, scale)
         if fresh:
             check.flag = None  # read: the verdict is all its records need from now on
         # torch.amp's unscale_ is followed by step() and update() within the iteration;
@@ -553,11 +582,34 @@ class ScalerMachine:
         if check.found is None:
             found = check.found = bool(self.adapter.backend.flag_is_set(check.ready()))
             params, check.params = check.params, None
-            if found and params is not None and self.listeners:
-                scale, overflows = self.current_scale(), self.iteration.overflows()
-                for listener in self.listeners:
-                    listener.overflow_found(params, check.step, scale, overflows)
+            if found and params is not None:
+                self.iteration.overflow_at(params, check.step)
+                if self.listeners:
+                    scale, overflows = self.current_scale(), self.iteration.overflows()
+                    for listener in self.listeners:
+                        listener.overflow_found(params, check.step, scale, overflows)
         return check.found
+
+    def warn_if_no_update_since_overflow(self, params: list[Any]) -> None:
+        """Warns once per iteration where a check of ``params`` follows one that found an
+        inf/NaN in their gradients with no update() between: the next iteration, with
+        update() forgotten (megengine.amp's forms allow unscaling again; only update()
+        backs the scale off, so the later steps may overflow and be dropped as well)."""
+        iteration = self.iteration
+        overflowed = iteration.overflowed
+        if iteration.warned_no_update or not any(id(p) in overflowed for p in params):
+            return
+        iteration.warned_no_update = True
+        warnings.warn(OverflowWarning(
+            f"unified_amp: a gradient check found inf/NaN gradients (step"
+            f" {iteration.overflow_step}) and the next check of the same gradients came"
+            f" with no scaler.update() between them: the loss scale stays"
+            f" {self.scale_state.scale:g}, since only update() backs it off, so the"
+            f" following steps may overflow and be dropped too. Call scaler.update()"
+            f" once per iteration, after the optimizer step (megengine.amp's manual form:"
+            f" gm.backward(scaler.scale(loss)), scaler.unscale(gm), opt.step(),"
+            f" scaler.update(); scaler.backward(gm, loss, update_scale=False) leaves"
+            f" update() to you)."), stacklevel=_user_stacklevel())
 
     def _refuse_float16(self, grads: list[Any]) -> None:
         """Raises torch.amp's ValueError if a gradient is float16 (each dtype asked once)."""
