@@ -1,6 +1,8 @@
 """The mistakes a new user made training from the docs alone (issue 44), on every backend:
 each one is caught, or made impossible, the same way on both."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,75 @@ def test_no_warning_without_an_overflow_or_with_update(kit, device, form):
     assert _loop_without_update(kit, device, 4, None, form)[1] == []
     scaler, caught = _loop_without_update(kit, device, 4, 1, form, update=True)
     assert caught == [] and scaler.get_scale() == 8.0
+
+
+# -- 3. the overflow report under accumulation -------------------------------------------
+def _accumulated_overflow(kit, device, inputs):
+    """One iteration of len(inputs) micro-batches, loss = sum(w * x) each, unscaled once
+    (megengine.amp's manual form): the report of its overflow."""
+    w = kit.param(np.array([0.5, -1.0, 2.0], np.float32), device)
+    gm = amp.GradManager([w])
+    scaler = amp.GradScaler(init_scale=2.0**4)
+    for x in inputs:
+        with gm:
+            gm.backward(scaler.scale(kit.total(kit.mul(w, kit.tensor(
+                np.array(x, np.float32), device)))))
+    scaler.unscale(gm)
+    return scaler.last_overflow()
+
+
+def test_the_report_names_the_micro_batch_whose_loss_is_not_finite(kit, device):
+    report = _accumulated_overflow(kit, device, [[1.0, 1.0, 1.0], [np.inf, np.nan, 3.0],
+                                                 [1.0, 1.0, 1.0]])
+    assert report is not None and math.isnan(report.loss)
+    assert (report.micro_batch, report.micro_batches) == (2, 3)
+    # the gradient x * scale summed over the micro-batches: inf, NaN and 88, as they are
+    assert [(g.inf, g.nan) for g in report.gradients] == [(1, 1)]
+    assert report.cause == "forward"
+    assert "(scale 16, loss nan in micro-batch 2 of 3)" in report.line()
+    assert "the loss itself is inf/NaN" in report.line()
+
+
+def test_the_report_names_the_largest_loss_where_every_loss_is_finite(kit, device):
+    # 3e37 * 16 overflows float32 in the scaled gradient, its loss 1.5e37 does not
+    report = _accumulated_overflow(kit, device, [[3e37, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    assert report.loss == pytest.approx(1.5e37, rel=1e-6)
+    assert (report.micro_batch, report.micro_batches) == (1, 2)
+    assert [(g.inf, g.nan) for g in report.gradients] == [(1, 0)]
+    assert report.cause == "backward"
+    assert "loss 1.5e+37 in micro-batch 1 of 2, the largest" in report.line()
+
+
+def test_one_micro_batch_reports_as_before(kit, device):
+    report = _accumulated_overflow(kit, device, [[3e37, 0.0, 0.0]])
+    assert (report.micro_batch, report.micro_batches) == (1, 1)
+    assert "(scale 16, loss 1.5e+37):" in report.line()
+
+
+# -- 5. README's portable step: the same numerics on both backends, as printed ----------
+def _readme_blocks(heading):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split(heading)[1].split("\n## ")[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_readmes_portable_step_autocasts_to_float16_on_every_backend(kit, monkeypatch):
+    """The step "written once" computes in the same dtype on both frameworks as printed:
+    amp.autocast()'s default differs on CPU (bfloat16 with torch, float16 with
+    MegEngine), so a user who copies the block must get the same numerics."""
+    backend = amp.get_backend()
+    entered = []
+    enter = backend.enter_autocast
+
+    def recording(*args, **kwargs):
+        token = enter(*args, **kwargs)
+        entered.append(backend.autocast_low_dtype("cpu"))
+        return token
+
+    monkeypatch.setattr(backend, "enter_autocast", recording)
+    block = _readme_blocks("## The same step on both frameworks")[0]
+    exec(compile(block, "README.md", "exec"), {})
+    assert len(entered) == 20 and set(entered) == {"float16"}

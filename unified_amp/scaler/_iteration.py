@@ -124,6 +124,9 @@ class Iteration:
             gone = {id(c) for c in folded}
             self.checks = [c for c in checks if id(c) not in gone]
 
+    def checks_made(self) -> int:
+        return len(self.checks) + self.folded_checks
+
     def checked(self) -> bool:
         return bool(self.checks) or bool(self.folded_checks)
 

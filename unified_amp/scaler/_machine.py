@@ -47,8 +47,10 @@ __all__: list[str] = []
 class Listener(Protocol):
     """What a machine announces (``ScalerMachine.listeners``)."""
 
-    def scaled(self, outputs: Any) -> None:
-        """The scale went out on ``outputs`` (the loss, or a list of outputs)."""
+    def scaled(self, outputs: Any, checks: int) -> None:
+        """The scale went out on ``outputs`` (the loss, or a list of outputs), after
+        ``checks`` checks of this iteration (a check since the last ``scaled`` ends a
+        set of micro-batches)."""
 
     def overflow_found(self, params: list[Any], step: int, scale: float,
                        overflows_since_update: int) -> None:
@@ -177,7 +179,7 @@ class ScalerMachine:
         else:
             scaled = each_tensor(outputs, "outputs", self._scale_tensor, backend)
         for listener in self.listeners:
-            listener.scaled(outputs)
+            listener.scaled(outputs, self.iteration.checks_made())
         return scaled
 
     def _scale_tensor(self, tensor: Any, where: str) -> Any:
@@ -234,7 +236,7 @@ class ScalerMachine:
                 backend.unscale_and_check(held, scale_state.scale, True)
         self.hand_out(None)
         for listener in self.listeners:
-            listener.scaled(ys)
+            listener.scaled(ys, self.iteration.checks_made())
         self.in_backward = True
         try:
             gm.backward(ys, cotangents)
