@@ -211,11 +211,55 @@ def _reachable(start: str) -> set[str]:
     return seen
 
 
-def test_the_scalers_state_machine_imports_no_forensics():
-    """Forensics listens to what the machine announces; nothing the machine imports,
-    directly or not, is forensics (GradScaler, above both, subscribes it)."""
-    assert "unified_amp.forensics" in _reachable("unified_amp.scaler._grad_scaler")
-    assert "unified_amp.forensics" not in _reachable("unified_amp.scaler._machine")
+def test_the_scaler_imports_no_forensics_and_no_autocast():
+    """Forensics listens to what the machine announces; nothing the scaler imports,
+    directly or not, is forensics, pinning or autocast (unified_amp/__init__, above
+    both, subscribes forensics), and the report's pin hint is a leaf, so forensics
+    needs no pinning either."""
+    scaler = [m for m in _modules() if m.startswith("unified_amp.scaler")]
+    assert len(scaler) > 5
+    for module in scaler:
+        reached = _reachable(module)
+        assert not reached & {"unified_amp.forensics", "unified_amp.pinning",
+                              "unified_amp.autocast"}, module
+    assert "unified_amp.forensics" in _graph()["unified_amp"]  # who subscribes it
+    assert not _reachable("unified_amp.forensics") & {"unified_amp.pinning",
+                                                      "unified_amp.autocast"}
+    assert _graph()["unified_amp._pin_hint"] == set()
+
+
+def _layers(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 1 for one that imports none of the others, else one above
+    the highest it imports."""
+    floors: dict[str, int] = {}
+
+    def floor(name: str) -> int:
+        if name not in floors:
+            floors[name] = 1 + max((floor(m) for m in graph[name]), default=0)
+        return floors[name]
+
+    for name in graph:
+        floor(name)
+    return floors
+
+
+def test_the_cores_import_graph_is_at_most_6_layers_deep():
+    """unified_amp/'s own modules, a package counted as one (its __init__ and modules
+    together, as a reader meets it): 8 layers while the scaler subscribed forensics
+    itself (scaler -> forensics -> pinning -> autocast)."""
+    core = {m: t for m, t in _graph().items() if not _is_adapter(m)}
+
+    def room(name: str) -> str:
+        for package in ("unified_amp.scaler", "unified_amp.apex", "unified_amp.dtype_contract"):
+            if name == package or name.startswith(package + "."):
+                return package
+        return name
+
+    rooms: dict[str, set[str]] = {}
+    for name, targets in core.items():
+        rooms.setdefault(room(name), set()).update(room(t) for t in targets if not _is_adapter(t))
+    rooms = {r: t - {r} for r, t in rooms.items()}
+    assert max(_layers(rooms).values()) <= 6, _layers(rooms)
 
 
 def test_no_module_of_the_core_makes_its_names_lazily():

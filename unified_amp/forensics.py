@@ -49,7 +49,7 @@ from .capabilities import ForensicsProbes, capability, require
 from .errors import OverflowWarning, _user_stacklevel
 from .interface import LOW_PRECISION
 from ._registry import get_backend
-from .pinning import pin_expression
+from ._pin_hint import pin_expression
 
 __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning",
            "ForwardTrace", "trace_forward"]

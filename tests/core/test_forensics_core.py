@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 import unified_amp as amp
-from unified_amp.pinning import pin_expression
+from unified_amp._pin_hint import pin_expression
 
 from ..spies import record_calls
 from .fake_backend import NamedModule, FakeOptimizer, FakeTensor

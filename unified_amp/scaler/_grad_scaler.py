@@ -28,7 +28,8 @@ differs.
 Where the parts live: this module has the public class, which holds its state machine
 (``self._machine``, a ``ScalerMachine``: _machine.py, with what one iteration records and
 every transition) and delegates to it, and the overflow forensics that listens to the
-machine (``self._forensics``, forensics.py); ``_state.py`` has the numbers (scale,
+machine (``self._forensics``, forensics.py, which unified_amp/__init__ subscribes:
+``subscribe_forensics``, so the scaler imports none of it); ``_state.py`` has the numbers (scale,
 tracker, telemetry) and checkpoints, ``unified_amp/_scale_rule.py`` the scale rule and
 the checks of its numbers, ``_call_forms.py`` the constructor's two call forms.
 """
@@ -37,23 +38,57 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, TypeVar, overload
+from typing import Any, Callable, Protocol, TypeVar, overload
 
 from .. import _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from .._registry import get_backend
 from .._scale_rule import check_factors, next_scale, valid_scale
-from ._machine import ScalerMachine
+from ._machine import Listener, ScalerMachine
 from ._state import ScaleState
 from ._targets import is_optimizer
 from ..errors import ScalerStateError
-from ..forensics import OverflowReport, ScalerForensics
 from ..capabilities import NativeScalerClass, capability
 
 __all__ = ["GradScaler", "AdapterView", "next_scale"]
 
 _S = TypeVar("_S", bound="GradScaler")
+
+
+class Forensics(Listener, Protocol):
+    """A scaler's overflow forensics, as GradScaler delegates to it (``watch()``,
+    ``last_overflow()``, ``stats()["overflows"]``); it listens to the machine
+    (_machine.Listener). unified_amp/__init__ subscribes forensics.py's, so that the
+    scaler imports none of it."""
+
+    last: Any  # the newest OverflowReport, or None
+
+    def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
+        ...
+
+    def history_dicts(self) -> list[dict[str, Any]]: ...
+
+
+class _NoForensics:
+    """What a scaler has where nothing subscribed forensics (never, once
+    ``import unified_amp`` ran): no reports."""
+
+    last = None
+
+    def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
+        raise RuntimeError("GradScaler.watch() needs the overflow forensics that `import"
+                           " unified_amp` subscribes; import unified_amp first.")
+
+    def history_dicts(self) -> list[dict[str, Any]]:
+        return []
+
+
+def subscribe_forensics(make: Callable[[bool], Forensics]) -> None:
+    """Every GradScaler made from now on subscribes ``make(enabled)`` to its state
+    machine, as its forensics: a listener (_machine.Listener) that is a ``Forensics``.
+    Called once, by unified_amp/__init__, which assembles the public API."""
+    GradScaler.make_forensics = staticmethod(make)
 
 # What a pickle holds (the names GradScaler's attributes had before the state machine
 # became an object of its own, so pickles of either layout load in both).
@@ -110,7 +145,10 @@ class GradScaler:
     __signature__ = UNIFIED_SIG
     __module__ = "unified_amp.scaler"  # the path pickles name, as before scaler/ was a package
     _machine: ScalerMachine  # the state machine this scaler holds and delegates to
-    _forensics: ScalerForensics  # its overflow reports, listening to the machine
+    _forensics: "Forensics | _NoForensics"  # its overflow reports, listening to the machine
+    # Makes a scaler's forensics from its enabled flag (subscribe_forensics): a factory
+    # every scaler calls for its own, no state any two share.
+    make_forensics: Callable[[bool], Forensics] | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GradScaler":
         if cls is GradScaler:
@@ -159,8 +197,12 @@ class GradScaler:
 
     def _start(self, machine: ScalerMachine) -> None:
         self._machine = machine
-        self._forensics = ScalerForensics(machine.enabled)
-        machine.listeners.append(self._forensics)
+        make = type(self).make_forensics
+        if make is None:
+            self._forensics = _NoForensics()
+        else:
+            self._forensics = make(machine.enabled)
+            machine.listeners.append(self._forensics)
 
     # -- the loop ---------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -372,8 +414,9 @@ class GradScaler:
         self._forensics.watch(model, warn_after, warn_below, history)
         return self
 
-    def last_overflow(self) -> OverflowReport | None:
-        """The report of the newest gradient check that found an inf/NaN, or None.
+    def last_overflow(self) -> Any:
+        """The report of the newest gradient check that found an inf/NaN (an
+        ``amp.OverflowReport``), or None.
 
         ``str(report)`` is one line: step, scale, loss, which gradients were inf or
         NaN, and the likely cause; ``report.as_dict()`` is the same as plain data.
