@@ -44,14 +44,14 @@ from .. import _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from .._registry import get_backend
-from .._scale_rule import check_factors, next_scale, valid_scale
+from .._scale_rule import check_factors, valid_scale
 from ._machine import Listener, ScalerMachine
 from ._state import ScaleState
 from ._targets import is_optimizer
 from ..errors import ScalerStateError
 from ..capabilities import NativeScalerClass, capability
 
-__all__ = ["GradScaler", "AdapterView", "next_scale"]
+__all__ = ["GradScaler", "AdapterView"]
 
 _S = TypeVar("_S", bound="GradScaler")
 
@@ -89,12 +89,6 @@ def subscribe_forensics(make: Callable[[bool], Forensics]) -> None:
     machine, as its forensics: a listener (_machine.Listener) that is a ``Forensics``.
     Called once, by unified_amp/__init__, which assembles the public API."""
     GradScaler.make_forensics = staticmethod(make)
-
-# What a pickle holds (the names GradScaler's attributes had before the state machine
-# became an object of its own, so pickles of either layout load in both).
-_PICKLED = ("_enabled", "_device", "_scale_value", "_growth_factor", "_backoff_factor",
-            "_growth_interval", "_tracker", "_steps", "_skipped_steps",
-            "_last_step_skipped", "_as_of_step", "_updated_by_backward")
 
 
 class GradScaler:
@@ -143,7 +137,6 @@ class GradScaler:
 
     # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
     __signature__ = UNIFIED_SIG
-    __module__ = "unified_amp.scaler"  # the path pickles name, as before scaler/ was a package
     _machine: ScalerMachine  # the state machine this scaler holds and delegates to
     _forensics: "Forensics | _NoForensics"  # its overflow reports, listening to the machine
     # Makes a scaler's forensics from its enabled flag (subscribe_forensics): a factory
@@ -485,29 +478,16 @@ class GradScaler:
         # overflow reports (models) and a process group (a live communicator) are
         # remade or given again after loading.
         state = {k: v for k, v in self.__dict__.items() if k not in ("_machine", "_forensics")}
-        state.update(_enabled=machine.enabled, _device=machine.device, _scale_value=scale_state.scale,
-                     _growth_factor=scale_state.growth_factor,
-                     _backoff_factor=scale_state.backoff_factor,
-                     _growth_interval=scale_state.growth_interval,
-                     _tracker=scale_state.growth_tracker, _steps=scale_state.steps,
-                     _skipped_steps=scale_state.skipped_steps,
-                     _last_step_skipped=scale_state.last_step_skipped,
-                     _as_of_step=scale_state.as_of_step,
-                     _updated_by_backward=machine.updated_by_backward)
+        state["_settings"] = (machine.enabled, machine.device, machine.updated_by_backward,
+                              scale_state.numbers())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Also a pickle from before the state machine was an object (the same keys,
-        # beside others that are remade now).
-        extra = {k: v for k, v in state.items()
-                 if k not in _PICKLED and k not in _REMADE}
-        scale_state = ScaleState(state["_scale_value"], state["_growth_factor"],
-                             state["_backoff_factor"], state["_growth_interval"],
-                             state["_tracker"], state["_steps"], state["_skipped_steps"],
-                             state["_last_step_skipped"], state.get("_as_of_step"))
-        self.__dict__.update(extra)
-        self._start(ScalerMachine(self, state["_enabled"], state["_device"], None, scale_state))
-        self._machine.updated_by_backward = state.get("_updated_by_backward", False)
+        state = dict(state)
+        enabled, device, updated_by_backward, numbers = state.pop("_settings")
+        self.__dict__.update(state)
+        self._start(ScalerMachine(self, enabled, device, None, ScaleState(*numbers)))
+        self._machine.updated_by_backward = updated_by_backward
 
     def __repr__(self) -> str:
         machine = self._machine
@@ -521,8 +501,3 @@ class GradScaler:
             f" growth_interval={scale_state.growth_interval}, enabled={machine.enabled})"
         )
 
-
-# What a pickle from before held beside _PICKLED, all remade on loading.
-_REMADE = ("_backend", "_process_group", "_dev", "_trace_copy", "_ledger", "_param_lists",
-           "_caps_known", "_forensics", "_tail", "_opt_states", "_checks",
-           "_handed_watched", "_handed_blind", "_saw_backward")

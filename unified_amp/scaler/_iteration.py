@@ -36,27 +36,27 @@ class Stage(enum.Enum):
 class Check:
     """One fused check (usually with unscale) over a set of gradients: ``flag``, the
     adapter's device-side flag (None: no gradients); ``found``, the host verdict once
-    read (None while unread); ``pending``, the handle of a cross-rank all-reduce still
+    read (None while unread); ``reduction``, the handle of a cross-rank all-reduce still
     running on ``flag`` (distributed.py); ``params``, whose gradients it covered, and
     ``step``, the scaler step it decides: what an overflow announces (dropped once the
     verdict is read)."""
 
-    __slots__ = ("flag", "found", "pending", "params", "step", "__weakref__")
+    __slots__ = ("flag", "found", "reduction", "params", "step", "__weakref__")
 
-    def __init__(self, flag: Any, found: bool | None, pending: Any = None,
+    def __init__(self, flag: Any, found: bool | None, reduction: Any = None,
                  params: list[Any] | None = None, step: int = 0) -> None:
         self.flag = flag
         self.found = found
-        self.pending = pending
+        self.reduction = reduction
         self.params = params
         self.step = step
 
     def ready(self) -> Any:
         """The flag, once any all-reduce on it has completed (on a GPU this orders the
         streams and does not wait on the host)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.wait()
+        if self.reduction is not None:
+            reduction, self.reduction = self.reduction, None
+            reduction.wait()
         return self.flag
 
 

@@ -106,9 +106,9 @@ class ScalerMachine:
         self.scale_state = scale_state
         self.listeners: list[Listener] = []
         self._backend: Any = None  # resolved on first use
-        # What the adapter provides, asked once (made here for an enabled scaler: only
-        # an enabled one runs the transitions below).
-        self.adapter: Capabilities = None  # type: ignore[assignment]
+        # The adapter's optional capabilities, asked once (made here for an enabled
+        # scaler: only an enabled one runs the transitions below).
+        self.caps: Capabilities = None  # type: ignore[assignment]
         self.iteration = Iteration()
         self.ledger = GradLedger()
         self.dropped = _overflowed.Dropped()  # marks for clip_grad_norm, till the next scale
@@ -126,9 +126,9 @@ class ScalerMachine:
         self.defer_optimizer_step = False
         self.deferred_step: tuple[Any, tuple, dict] | None = None
         if enabled:
-            self.adapter = Capabilities(self.backend)
-            if self.adapter.tracing is not None:  # keep the trace copy current
-                _tracing.follow(self.adapter.tracing, self.flush_trace_copy)
+            self.caps = Capabilities(self.backend)
+            if self.caps.tracing is not None:  # keep the trace copy current
+                _tracing.follow(self.caps.tracing, self.flush_trace_copy)
 
     @property
     def backend(self) -> Any:
@@ -170,10 +170,10 @@ class ScalerMachine:
     # -- scale ------------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """``scaler.scale(outputs)``: a tensor, or any nesting of them, times the scale."""
-        adapter = self.adapter
-        if adapter.tracing is not None:
+        caps = self.caps
+        if caps.tracing is not None:
             self.traced("GradScaler.scale()")
-        backend = adapter.backend
+        backend = caps.backend
         if backend.is_tensor(outputs):
             scaled = self._scale_tensor(outputs, "outputs")
         else:
@@ -185,16 +185,16 @@ class ScalerMachine:
     def _scale_tensor(self, tensor: Any, where: str) -> Any:
         if self.dropped:  # the scale goes out for new gradients
             self.dropped.forget()
-        adapter, device_scale = self.adapter, self.scale_state.device_scale
+        caps, device_scale = self.caps, self.scale_state.device_scale
         if device_scale is not None:
             out = device_scale.scale(tensor)
         else:
-            out = adapter.backend.scale(tensor, self.scale_state.scale)
-        probes = adapter.backward_probes
+            out = caps.backend.scale(tensor, self.scale_state.scale)
+        probes = caps.backward_probes
         self.hand_out(None if probes is None else probes.backward_token(out))
         self.iteration.scaled(out)
         # A backward may follow: the records' versions are read now, before it.
-        self.ledger.new_backward(adapter.grad_version)
+        self.ledger.new_backward(caps.grad_version)
         return out
 
     # -- backward(gm, loss): scaled backward, unscale, update -------------------------------
@@ -202,14 +202,14 @@ class ScalerMachine:
                  update_scale: bool) -> None:
         """``scaler.backward(gm, y, dy)``: the scaled backward pass, then (by default)
         megengine.amp's ``unscale`` of the gradients it wrote and an ``update()``."""
-        adapter, scale_state = self.adapter, self.scale_state
+        caps, scale_state = self.caps, self.scale_state
         if self.dropped:
             self.dropped.forget()
-        if adapter.tracing is not None:
+        if caps.tracing is not None:
             if unscale_grad:
                 self.refuse_in_trace("GradScaler.backward(gm, loss)", "backward")
             self.traced("GradScaler.backward(gm, loss, unscale_grad=False)")
-        backend = adapter.backend
+        backend = caps.backend
         ys = [] if y is None else list(y) if isinstance(y, (list, tuple)) else [y]
         _foreign.require_tensors(backend, ys, "GradScaler.backward(gm, y)",
                                  "Pass the loss (or outputs) the forward pass recorded.")
@@ -228,7 +228,7 @@ class ScalerMachine:
             cotangents = backend.scaled_cotangents(ys, dys, scale_state.scale)
         attached = params_of(gm, backend, "GradScaler.backward()")
         # This backward writes a new generation of the attached gradients.
-        held = self.ledger.begin_backward(attached, adapter.grad_version)
+        held = self.ledger.begin_backward(attached, caps.grad_version)
         if held:  # back to the scale: one unscale afterwards gives the true sum
             if device_scale is not None:
                 device_scale.rescale(held)
@@ -275,7 +275,7 @@ class ScalerMachine:
                     "unscale_() is being called after step(). Unscale before"
                     " scaler.step(optimizer) (step() unscales by itself when you don't)."
                 )
-        backend = self.adapter.backend
+        backend = self.caps.backend
         if split is None:
             params = params_of(target, backend, f"GradScaler.{what}")
             distributed.note_module(backend, target)
@@ -322,7 +322,7 @@ class ScalerMachine:
     def step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         """``scaler.step(optimizer, *args, **kwargs)``: unscales what is still scaled,
         then steps unless a check of its gradients found an inf/NaN."""
-        iteration, adapter = self.iteration, self.adapter
+        iteration, caps = self.iteration, self.caps
         stage = iteration.optimizer(optimizer)
         if stage.stage is Stage.STEPPED:
             raise RuntimeError(
@@ -343,13 +343,13 @@ class ScalerMachine:
             result = optimizer.step(*args, **dict(kwargs, grad_scaler=self.scaler()))
             stage.stage = Stage.STEPPED
             return result
-        scale_state, backend = self.scale_state, adapter.backend
+        scale_state, backend = self.scale_state, caps.backend
         # The usual torch.amp step: one process, no trace, no ledger record alive, an
         # optimizer that neither skips by itself nor was checked this iteration, and
         # gradients to check. What follows comes down to one check, its verdict and the
         # optimizer's step then; taken straight, it costs a twentieth fewer bytecodes a
         # step (benchmarks' host section on torch).
-        usual_step = (not skips_by_itself and adapter.tracing is None and not stage.checks
+        usual_step = (not skips_by_itself and caps.tracing is None and not stage.checks
                       and self.ledger.empty() and not iteration.recorded_while_awaiting)
         if usual_step:
             pending, grads, _, _ = by_grad(self.optimizer_params(optimizer, backend))
@@ -366,8 +366,8 @@ class ScalerMachine:
                 return result
         # A fused optimizer skips on the device by itself; inside a trace the adapter's
         # device scale skips for any optimizer (_tracing.py).
-        fused = adapter.device_resident is not None and self.steps_on_device(optimizer)
-        on_device = fused or (adapter.tracing is not None and self.traced("GradScaler.step()"))
+        fused = caps.device_resident is not None and self.steps_on_device(optimizer)
+        on_device = fused or (caps.tracing is not None and self.traced("GradScaler.step()"))
         pending, grads, done, idle = self.split(self.optimizer_params(optimizer, backend))
         # Decided by checks that an update() already consumed (scaler.backward(gm, loss),
         # then step(opt)): this step ends that iteration, and starts no stage of this one.
@@ -398,7 +398,7 @@ class ScalerMachine:
                 if pending:
                     agreement, divide = self.scaled_or_idle(pending, idle, "step()", solo)
                     if not solo:
-                        distributed.require_synced(adapter.backend, pending,
+                        distributed.require_synced(caps.backend, pending,
                                                    "GradScaler.step()")
                 # A fused optimizer unscales inside its own kernel (grad_scale), as with
                 # torch.amp -- unless some of its gradients were unscaled already.
@@ -419,7 +419,7 @@ class ScalerMachine:
                 )
         # Step unless a check found an inf/NaN: the verdicts read here (the one sync),
         # or, on the device, the flags handed to the optimizer's own kernel.
-        resident = adapter.device_resident
+        resident = caps.device_resident
         if any(c.found is True for c in checks):
             skip = True
         elif not on_device:
@@ -457,7 +457,7 @@ class ScalerMachine:
     def steps_on_device(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` skips on the device by itself (torch's fused ones); the
         first time one does, the scale moves to the device for good."""
-        resident = self.adapter.device_resident
+        resident = self.caps.device_resident
         if resident is None or not resident.steps_on_device(optimizer):
             return False
         scale_state = self.scale_state
@@ -472,7 +472,7 @@ class ScalerMachine:
         """``scaler.update(new_scale)``: ends the iteration and the ledger's records."""
         if new_scale is not None:
             self.refuse_in_trace("GradScaler.update(new_scale=...)", "write")
-        if self.adapter.tracing is not None:
+        if self.caps.tracing is not None:
             self.traced("GradScaler.update()")  # (the scale stays on the device)
         self._end_iteration(new_scale)
         self.ledger.new_iteration()
@@ -541,7 +541,7 @@ class ScalerMachine:
         if agreement is False:
             agreement = self.plan(params, idle)
         if grads is None:
-            grads = self.adapter.backend.grads(params)
+            grads = self.caps.backend.grads(params)
         if agreement is not None and agreement.standins:
             grads = grads + agreement.standins
         flag = self._fused_check(grads, unscale, allow_fp16) if grads else None
@@ -567,7 +567,7 @@ class ScalerMachine:
         try:
             if device_scale is None:
                 # The adapter refuses a float16 gradient unless allowed (ValueError)
-                return self.adapter.backend.unscale_and_check(
+                return self.caps.backend.unscale_and_check(
                     grads, self.scale_state.inverse() if unscale else 1.0, allow_fp16)
             if not allow_fp16:
                 self._refuse_float16(grads)
@@ -582,7 +582,7 @@ class ScalerMachine:
         """The check's host verdict, reading its flag (a host sync) the first time only;
         an inf/NaN is announced then, before anyone drops the gradients it describes."""
         if check.found is None:
-            found = check.found = bool(self.adapter.backend.flag_is_set(check.ready()))
+            found = check.found = bool(self.caps.backend.flag_is_set(check.ready()))
             params, check.params = check.params, None
             if found and params is not None:
                 self.iteration.overflow_at(params, check.step)
@@ -615,12 +615,12 @@ class ScalerMachine:
 
     def _refuse_float16(self, grads: list[Any]) -> None:
         """Raises torch.amp's ValueError if a gradient is float16 (each dtype asked once)."""
-        known_dtypes = self.adapter.is_float16
+        known_dtypes = self.caps.is_float16
         for dtype in {g.dtype for g in grads}:
             known = known_dtypes.get(dtype)
             if known is None:
                 known = known_dtypes[dtype] = \
-                    self.adapter.backend.dtype_name(dtype) == "float16"
+                    self.caps.backend.dtype_name(dtype) == "float16"
             if known:
                 raise ValueError(
                     "Attempting to unscale FP16 gradients. GradScaler needs float32"
@@ -634,23 +634,23 @@ class ScalerMachine:
         """``params`` with a gradient that still needs unscaling and those gradients,
         the checks that already covered others (from the ledger), and the params with
         neither."""
-        adapter, iteration = self.adapter, self.iteration
+        caps, iteration = self.caps, self.iteration
         if iteration.recorded_while_awaiting and \
-                iteration.backward_since_record(adapter.backward_probes):
-            self.ledger.new_backward(adapter.grad_version)  # it ran after the record
-        return self.ledger.split(params, adapter.grad_version)
+                iteration.backward_since_record(caps.backward_probes):
+            self.ledger.new_backward(caps.grad_version)  # it ran after the record
+        return self.ledger.split(params, caps.grad_version)
 
     def record(self, params: list[Any], grads: list[Any], check: Check,
                weak: bool) -> None:
         """Notes in the ledger that ``check`` covered these gradients (``weak``: hold
         none of them alive)."""
-        iteration, adapter = self.iteration, self.adapter
+        iteration, caps = self.iteration, self.caps
         if params and iteration.awaiting_backward and \
-                iteration.still_awaiting(adapter.backward_probes):
+                iteration.still_awaiting(caps.backward_probes):
             # A backward through a scale() output made before this record may run after
             # it: keep the gradients' versions as they are now, to compare with then.
             iteration.recorded_while_awaiting = True
-            self.ledger.record(params, grads, check, weak=weak, version=adapter.grad_version)
+            self.ledger.record(params, grads, check, weak=weak, version=caps.grad_version)
         else:
             self.ledger.record(params, grads, check, weak=weak)
 
@@ -673,14 +673,14 @@ class ScalerMachine:
     def require_scaled(self, what: str) -> None:
         """Raises if unscaling now would shrink gradients that were never scaled."""
         self.iteration.require_scaled(what, self.scale_state.scale,
-                                      self.adapter.backward_probes)
+                                      self.caps.backward_probes)
 
     # -- other ranks (distributed.py) --------------------------------------------------------
     def solo(self) -> bool:
         """Whether no other rank takes part in this scaler's decisions (no process
         group given, one process): then no check needs agreement, and nothing waits in
         a no_sync() window. One question to the adapter."""
-        collectives = self.adapter.collectives
+        collectives = self.caps.collectives
         return self.process_group is None and (collectives is None
                                                or collectives.world_group() is None)
 
@@ -694,7 +694,7 @@ class ScalerMachine:
     def traced(self, what: str) -> bool:
         """Whether ``what`` runs inside a trace, raising where it cannot run there as it
         does eagerly (then the scale stays on the device: ScaleState.enter_trace)."""
-        tracing = self.adapter.tracing
+        tracing = self.caps.tracing
         if tracing is None or tracing.trace_mode() is None:
             return False
         self.scale_state.enter_trace(tracing, what)
@@ -703,11 +703,11 @@ class ScalerMachine:
     def refuse_in_trace(self, what: str, kind: str) -> None:
         """Raises if ``what``, a call that needs the host, runs inside a trace."""
         if self.enabled:
-            tracing = self.adapter.tracing
+            tracing = self.caps.tracing
             if tracing is not None and tracing.trace_mode() is not None:
                 raise _tracing.refuse(tracing, what, kind)
 
     def flush_trace_copy(self) -> None:
         """The adapter calls this right before each traced call starts, outside it."""
-        if self.enabled and self.adapter is not None and self.adapter.tracing is not None:
-            self.scale_state.mirror(self.adapter.tracing)
+        if self.enabled and self.caps is not None and self.caps.tracing is not None:
+            self.scale_state.mirror(self.caps.tracing)
