@@ -9,6 +9,7 @@ machine's (_machine.py); ``update()`` starts a new one.
 
 from __future__ import annotations
 
+import collections
 import enum
 import weakref
 from typing import Any
@@ -39,9 +40,10 @@ class Check:
     read (None while unread); ``reduction``, the handle of a cross-rank all-reduce still
     running on ``flag`` (distributed.py); ``params``, whose gradients it covered, and
     ``step``, the scaler step it decides: what an overflow announces (dropped once the
-    verdict is read)."""
+    verdict is read); ``by_optimizer``, a fused optimizer unscales in its kernel."""
 
-    __slots__ = ("flag", "found", "reduction", "params", "step", "__weakref__")
+    __slots__ = ("flag", "found", "reduction", "params", "step", "by_optimizer",
+                 "__weakref__")
 
     def __init__(self, flag: Any, found: bool | None, reduction: Any = None,
                  params: list[Any] | None = None, step: int = 0) -> None:
@@ -50,6 +52,7 @@ class Check:
         self.reduction = reduction
         self.params = params
         self.step = step
+        self.by_optimizer = False  # a fused optimizer unscales these in its own kernel
 
     def ready(self) -> Any:
         """The flag, once any all-reduce on it has completed (on a GPU this orders the
@@ -87,7 +90,9 @@ class Iteration:
                  "overflowed", "overflow_step", "warned_no_update")
 
     def __init__(self) -> None:
-        self.optimizers: dict[int, OptimizerStage] = {}
+        # keyed by id(), as torch.amp's _per_optimizer_states (a stage made on first use)
+        self.optimizers: collections.defaultdict[int, OptimizerStage] = \
+            collections.defaultdict(OptimizerStage)
         self.checks: list[Check] = []
         self.folded_checks = 0  # read checks folded into counts, and how many found inf/NaN
         self.folded_overflows = 0
@@ -104,12 +109,6 @@ class Iteration:
         self.overflowed: set[int] = set()
         self.overflow_step = 0
         self.warned_no_update = False
-
-    def optimizer(self, optimizer: Any) -> OptimizerStage:
-        stage = self.optimizers.get(id(optimizer))
-        if stage is None:
-            stage = self.optimizers[id(optimizer)] = OptimizerStage()
-        return stage
 
     def add(self, check: Check) -> None:
         checks = self.checks
