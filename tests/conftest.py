@@ -13,7 +13,7 @@ def pytest_configure(config):
     # Many tests plant long runs of overflows on purpose; the tests of the warning
     # itself (test_forensics_*.py) record it with their own filters.
     config.addinivalue_line("filterwarnings",
-                            "ignore::unified_amp.forensics.OverflowWarning")
+                            "ignore::unified_amp.errors.OverflowWarning")
     # The suite holds no contract function where MegEngine's wrappers cannot reach it:
     # a ContractWarning here is a binding the adapter missed, which must fail the run.
     # (The test of the warning runs its own interpreter and records it there.)

@@ -1,60 +1,23 @@
-"""The repository's structure: what the layout promises beyond behaviour.
+"""The repository's structure: what the layout promises beyond behaviour."""
 
-Pickles made before GradScaler and the adapters were split into modules still load.
-"""
-
-import base64
 import pickle
 
 import unified_amp as amp
 
-# pickle.dumps(amp.GradScaler(init_scale=1024.0, growth_interval=7)) after
-# set_backoff_factor(0.25), made by the code before the split (commit 5721bb4), where
-# the torch adapter's scaler class was unified_amp.backends.torch_backend.TorchGradScaler
-# and the core's unified_amp.scaler.GradScaler.
-_PICKLED_BEFORE_THE_SPLIT = {
-    "torch": (
-        'gASVDwIAAAAAAACMInVuaWZpZWRfYW1wLmJhY2tlbmRzLnRvcmNoX2JhY2tlbmSUjA9Ub3JjaEdyYWRTY2FsZXKU'
-        'k5QpgZR9lCiMCF9iYWNrZW5klE6MCF9lbmFibGVklIiMB19kZXZpY2WUTowOX3Byb2Nlc3NfZ3JvdXCUTowMX3Nj'
-        'YWxlX3ZhbHVllEdAkAAAAAAAAIwOX2dyb3d0aF9mYWN0b3KUR0AAAAAAAAAAjA9fYmFja29mZl9mYWN0b3KURz/Q'
-        'AAAAAAAAjBBfZ3Jvd3RoX2ludGVydmFslEsHjAhfdHJhY2tlcpRLAIwGX3N0ZXBzlEsAjA5fc2tpcHBlZF9zdGVw'
-        'c5RLAIwSX2xhc3Rfc3RlcF9za2lwcGVklImMC19hc19vZl9zdGVwlEsAjARfZGV2lE6MB19sZWRnZXKUjBN1bmlm'
-        'aWVkX2FtcC5fbGVkZ2VylIwKR3JhZExlZGdlcpSTlCmBlH2UKIwIX3JlY29yZHOUfZSMBWVwb2NolEsAjAlpdGVy'
-        'YXRpb26USwB1YowUX3VwZGF0ZWRfYnlfYmFja3dhcmSUiYwKX2ZvcmVuc2ljc5ROjAVfdGFpbJR9lIwLX29wdF9z'
-        'dGF0ZXOUfZSMB19jaGVja3OUXZSMD19oYW5kZWRfd2F0Y2hlZJSJjA1faGFuZGVkX2JsaW5klImMDV9zYXdfYmFj'
-        'a3dhcmSUiXViLg=='
-    ),
-    "megengine": (
-        'gASV+gEAAAAAAACMEnVuaWZpZWRfYW1wLnNjYWxlcpSMCkdyYWRTY2FsZXKUk5QpgZR9lCiMCF9iYWNrZW5klE6M'
-        'CF9lbmFibGVklIiMB19kZXZpY2WUTowOX3Byb2Nlc3NfZ3JvdXCUTowMX3NjYWxlX3ZhbHVllEdAkAAAAAAAAIwO'
-        'X2dyb3d0aF9mYWN0b3KUR0AAAAAAAAAAjA9fYmFja29mZl9mYWN0b3KURz/QAAAAAAAAjBBfZ3Jvd3RoX2ludGVy'
-        'dmFslEsHjAhfdHJhY2tlcpRLAIwGX3N0ZXBzlEsAjA5fc2tpcHBlZF9zdGVwc5RLAIwSX2xhc3Rfc3RlcF9za2lw'
-        'cGVklImMC19hc19vZl9zdGVwlEsAjARfZGV2lE6MB19sZWRnZXKUjBN1bmlmaWVkX2FtcC5fbGVkZ2VylIwKR3Jh'
-        'ZExlZGdlcpSTlCmBlH2UKIwIX3JlY29yZHOUfZSMBWVwb2NolEsAjAlpdGVyYXRpb26USwB1YowUX3VwZGF0ZWRf'
-        'YnlfYmFja3dhcmSUiYwKX2ZvcmVuc2ljc5ROjAVfdGFpbJR9lIwLX29wdF9zdGF0ZXOUfZSMB19jaGVja3OUXZSM'
-        'D19oYW5kZWRfd2F0Y2hlZJSJjA1faGFuZGVkX2JsaW5klImMDV9zYXdfYmFja3dhcmSUiXViLg=='
-    ),
-}
 
-
-def test_a_scaler_pickled_before_the_split_loads_with_its_settings():
-    backend = amp.get_backend().name
-    scaler = pickle.loads(base64.b64decode(_PICKLED_BEFORE_THE_SPLIT[backend]))
-    # The class the pickle names, which the backend still makes for that scaler: one
-    # with no device, pickled on a machine without CUDA, is the CPU class. A pickle
-    # keeps its class, as torch.amp's scalers do: loaded on a CUDA machine, where
-    # amp.GradScaler() makes the CUDA subclass, it stays what was saved.
-    assert type(scaler) is type(amp.GradScaler(device="cpu"))
-    assert isinstance(scaler, amp.GradScaler)
-    assert scaler.state_dict() == {"scale": 1024.0, "scale_factor": 1024.0,
-                                   "growth_factor": 2.0, "backoff_factor": 0.25,
-                                   "growth_interval": 7, "_growth_tracker": 0, "steps": 0,
-                                   "skipped_steps": 0, "last_step_skipped": False}
-    # And a new pickle names the class by the same path, so the old code loads it too.
-    again = pickle.dumps(scaler)
-    module = type(scaler).__module__.encode()
-    assert module in again and type(scaler).__name__.encode() in again
-    assert module in base64.b64decode(_PICKLED_BEFORE_THE_SPLIT[backend])
+def test_a_scaler_pickles_with_its_settings_and_class():
+    scaler = amp.GradScaler(init_scale=1024.0, growth_interval=7)
+    scaler.set_backoff_factor(0.25)
+    loaded = pickle.loads(pickle.dumps(scaler))
+    # The class pickled, which the backend makes for a scaler without a device on a
+    # machine without CUDA: on torch also a torch.amp.GradScaler.
+    assert type(loaded) is type(scaler) and isinstance(loaded, amp.GradScaler)
+    assert loaded.state_dict() == scaler.state_dict() == {
+        "scale": 1024.0, "scale_factor": 1024.0, "growth_factor": 2.0,
+        "backoff_factor": 0.25, "growth_interval": 7, "_growth_tracker": 0, "steps": 0,
+        "skipped_steps": 0, "last_step_skipped": False}
+    disabled = pickle.loads(pickle.dumps(amp.GradScaler(enabled=False)))
+    assert not disabled.is_enabled() and disabled.get_scale() == 1.0
 
 
 # -- the import graph ----------------------------------------------------------------------
@@ -196,6 +159,22 @@ def test_adapters_read_no_private_member_of_the_core_scaler():
     assert reads == []
 
 
+# Modules named for one framework's own machinery, which the other has no counterpart of.
+FRAMEWORK_OWN = {"autocast_dynamo"}  # dynamo is torch's compiler
+
+
+def test_every_adapter_package_has_the_same_module_names():
+    """Keras 3's backend/<name>/ layout (SPEC, Layout): a reader who knows one adapter
+    finds each capability under the same name in the other (megengine_backend/scaler.py
+    says why MegEngine needs no native scaler class)."""
+    packages = [p for p in sorted((ROOT / "backends").iterdir()) if (p / "__init__.py").exists()]
+    names = {p.name: {f.stem for f in p.glob("*.py")} - FRAMEWORK_OWN for p in packages}
+    assert len(names) == 2
+    every = set.union(*names.values())
+    assert {name: sorted(every - own) for name, own in names.items()} == \
+        {name: [] for name in names}
+
+
 def test_no_source_file_is_longer_than_torchs_grad_scaler():
     long = {str(p.relative_to(ROOT)): n for p in _modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
@@ -211,11 +190,55 @@ def _reachable(start: str) -> set[str]:
     return seen
 
 
-def test_the_scalers_state_machine_imports_no_forensics():
-    """Forensics listens to what the machine announces; nothing the machine imports,
-    directly or not, is forensics (GradScaler, above both, subscribes it)."""
-    assert "unified_amp.forensics" in _reachable("unified_amp.scaler._grad_scaler")
-    assert "unified_amp.forensics" not in _reachable("unified_amp.scaler._machine")
+def test_the_scaler_imports_no_forensics_and_no_autocast():
+    """Forensics listens to what the machine announces; nothing the scaler imports,
+    directly or not, is forensics, pinning or autocast (unified_amp/__init__, above
+    both, subscribes forensics), and the report's pin hint is a leaf, so forensics
+    needs no pinning either."""
+    scaler = [m for m in _modules() if m.startswith("unified_amp.scaler")]
+    assert len(scaler) > 5
+    for module in scaler:
+        reached = _reachable(module)
+        assert not reached & {"unified_amp.forensics", "unified_amp.pinning",
+                              "unified_amp.autocast"}, module
+    assert "unified_amp.forensics" in _graph()["unified_amp"]  # who subscribes it
+    assert not _reachable("unified_amp.forensics") & {"unified_amp.pinning",
+                                                      "unified_amp.autocast"}
+    assert _graph()["unified_amp._pin_hint"] == set()
+
+
+def _layers(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 1 for one that imports none of the others, else one above
+    the highest it imports."""
+    floors: dict[str, int] = {}
+
+    def floor(name: str) -> int:
+        if name not in floors:
+            floors[name] = 1 + max((floor(m) for m in graph[name]), default=0)
+        return floors[name]
+
+    for name in graph:
+        floor(name)
+    return floors
+
+
+def test_the_cores_import_graph_is_at_most_6_layers_deep():
+    """unified_amp/'s own modules, a package counted as one (its __init__ and modules
+    together, as a reader meets it): 8 layers while the scaler subscribed forensics
+    itself (scaler -> forensics -> pinning -> autocast)."""
+    core = {m: t for m, t in _graph().items() if not _is_adapter(m)}
+
+    def room(name: str) -> str:
+        for package in ("unified_amp.scaler", "unified_amp.apex", "unified_amp.dtype_contract"):
+            if name == package or name.startswith(package + "."):
+                return package
+        return name
+
+    rooms: dict[str, set[str]] = {}
+    for name, targets in core.items():
+        rooms.setdefault(room(name), set()).update(room(t) for t in targets if not _is_adapter(t))
+    rooms = {r: t - {r} for r, t in rooms.items()}
+    assert max(_layers(rooms).values()) <= 6, _layers(rooms)
 
 
 def test_no_module_of_the_core_makes_its_names_lazily():

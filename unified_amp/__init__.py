@@ -54,6 +54,12 @@ from .apex.opt_levels import (
 )
 from .pinning import keep_float32
 from .scaler import GradScaler
+from .scaler._grad_scaler import subscribe_forensics
+from .forensics import ScalerForensics
+
+# Each GradScaler's overflow reports listen to its state machine; subscribed here, where
+# the public API is assembled, so that the scaler imports no forensics.
+subscribe_forensics(ScalerForensics)
 
 # The modules' paths before apex/ was a package: `from unified_amp import opt_levels`.
 from .apex import cast_registry, opt_levels  # noqa: F401

@@ -14,8 +14,12 @@ __all__ = ["autocast", "is_autocast_enabled"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _DEVICES = ("cpu", "cuda")
+# The exact spellings dtype= takes as a string, on every backend: the dtypes' own names
+# and the documented short forms. No case folding and no blanks, as neither framework's
+# own dtype names fold them: "FP16" or "float16 " is a typo, refused the same everywhere.
 _ALIASES = {"float16": "float16", "half": "float16", "fp16": "float16",
             "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_SPELLINGS = ", ".join(map(repr, _ALIASES))
 
 # The call forms users bring with them (see autocast's docstring). Python binds the
 # arguments (fast, and traced by dynamo as plain calls, where inspect.Signature.bind was
@@ -37,23 +41,42 @@ _UNIFIED_SIG = inspect.signature(_unified_form).replace(return_annotation=inspec
 
 
 def _normalize_dtype(dtype: Any, argname: str = "dtype") -> str | None:
-    """'float16' / 'bfloat16' / None from a string or a framework dtype object."""
+    """'float16' / 'bfloat16' / None from an exact string, a framework dtype object or a
+    NumPy dtype (or scalar type), the same spellings on every backend."""
     if dtype is None:
         return None
     if isinstance(dtype, str):
-        name = _ALIASES.get(dtype.strip().lower())
+        name = _ALIASES.get(dtype)
     else:
-        # A framework dtype object (torch.float16, numpy.float16, ...): the user already
-        # imported the framework, so asking the adapter costs nothing.
+        # A framework dtype object (torch.float16, MegEngine's bfloat16, ...): the user
+        # already imported the framework, so asking the adapter costs nothing. A NumPy
+        # one is named by NumPy, so np.float16 means the same on every backend.
         name = get_backend().dtype_name(dtype)
+        if name is None:
+            name = _numpy_dtype_name(dtype)
         name = name if name in LOW_PRECISION else None
     if name is None:
         raise ValueError(
-            f"autocast {argname} must be 'float16' or 'bfloat16' (or the framework's dtype"
-            f" object for one of them); got {dtype!r}. For full float32 precision use"
+            f"autocast {argname} must be one of {_SPELLINGS} (exactly: no capitals, no"
+            f" blanks), numpy.float16, or the framework's dtype object for float16 or"
+            f" bfloat16; got {dtype!r}. For full float32 precision use"
             f" autocast(enabled=False)."
         )
     return name
+
+
+def _numpy_dtype_name(dtype: Any) -> str | None:
+    """NumPy's name for a NumPy dtype or scalar type (``np.float16``), else None; NumPy
+    is imported only when the value is NumPy's (then it is imported already)."""
+    module = getattr(dtype, "__module__", None) or type(dtype).__module__
+    if str(module).partition(".")[0] != "numpy":
+        return None
+    import numpy
+
+    try:
+        return str(numpy.dtype(dtype).name)
+    except TypeError:
+        return None
 
 
 # torch spells devices "cuda:0", MegEngine "gpu0", "cpu0", "xpux" (its default).

@@ -81,11 +81,12 @@ class ForensicsProbes(Protocol):
         """A device-side flag: whether ``tensor`` is all finite (``per_row``: one flag
         per index of its first dimension). No host sync; used by forward tracing."""
 
-    def read_overflow(self, grads: Sequence[Any], loss: Any, flags: Sequence[Any]
-                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+    def read_overflow(self, grads: Sequence[Any], losses: Sequence[Any],
+                      flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], list[float], list[list[bool]]]:
         """Everything an overflow report needs from the device, in one host sync:
-        (inf elements, NaN elements) of each gradient; the value of ``loss`` (a
-        one-element tensor, or None for None); and each flag from ``finite_flag`` as a
+        (inf elements, NaN elements) of each gradient; the value of each of ``losses``
+        (one-element tensors: the micro-batches' losses); and each flag from ``finite_flag`` as a
         list of bools (one element for a whole-tensor flag). Called only after a fused
         check found an inf/NaN, or when a trace's flags are asked for."""
 

@@ -122,6 +122,11 @@ class MissingCapabilityError(UnifiedAmpError, NotImplementedError):
     the capability and the methods its adapter lacks."""
 
 
+class OverflowWarning(RuntimeWarning):
+    """A GradScaler keeps skipping steps (every gradient it checks holds an inf/NaN), or
+    an overflow found no ``update()`` after it to back the scale off."""
+
+
 class PortabilityWarning(UserWarning):
     """Code that runs on this backend but not on the other: on torch, gradients that a
     ``with gm:`` block of an ``amp.GradManager`` got from a backward pass the

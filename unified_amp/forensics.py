@@ -46,20 +46,16 @@ from typing import Any, Callable, Sequence
 
 from . import _foreign, _tracing
 from .capabilities import ForensicsProbes, capability, require
-from .errors import _user_stacklevel
+from .errors import OverflowWarning, _user_stacklevel
 from .interface import LOW_PRECISION
 from ._registry import get_backend
-from .pinning import pin_expression
+from ._pin_hint import pin_expression
 
 __all__ = ["OverflowReport", "BadGradient", "NonFiniteOutput", "OverflowWarning",
            "ForwardTrace", "trace_forward"]
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
 _LISTED = 5  # gradients named in a report line; the rest are counted
-
-
-class OverflowWarning(RuntimeWarning):
-    """A GradScaler keeps skipping steps: every gradient it checks holds an inf/NaN."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +118,11 @@ class OverflowReport:
     Attributes:
         step: the scaler step it decided (1 for the first ``update()``).
         scale: the loss scale the gradients were scaled by.
-        loss: the value of the last loss given to ``scale()`` or ``backward()`` in this
-            iteration (the first, if it was a list), or None if that was no
-            one-element tensor or the scale was handed out as ``scale_factor``.
+        loss: the value of a loss given to ``scale()`` or ``backward()`` in this
+            iteration (the first of a list): the first that is inf/NaN, else, with
+            several (micro-batches accumulated), the largest in magnitude, else the one;
+            None if none was a one-element tensor (the scale handed out as
+            ``scale_factor``).
         checked: how many gradients the check covered.
         gradients: those that held inf/NaN, sorted by name.
         traced: whether a :func:`trace_forward` block recorded this step's forward.
@@ -138,6 +136,10 @@ class OverflowReport:
             inf/NaN, this one included (more than 1 in a step with several optimizers,
             or where a loop unscales again without calling ``update()``, which alone
             backs the scale off).
+        micro_batch: which of the iteration's losses ``loss`` is (1 for the first),
+            or None without one.
+        micro_batches: how many losses went out scaled in this iteration (the
+            micro-batches of an accumulation).
     """
 
     step: int
@@ -150,6 +152,8 @@ class OverflowReport:
     bad_samples: tuple[int, ...]
     forward_in_trace: bool = False
     overflows_since_update: int = 1
+    micro_batch: int | None = None
+    micro_batches: int = 1
 
     @property
     def cause(self) -> str:
@@ -208,7 +212,9 @@ class OverflowReport:
         if cause == "loss":
             return "every traced forward output was finite, the loss was not"
         if cause == "backward":
-            where = "every traced forward output" if self.traced else "the loss"
+            where = "every traced forward output" if self.traced else \
+                f"each of the {self.micro_batches} losses" if self.micro_batches > 1 \
+                else "the loss"
             if self.overflows_since_update > 1:
                 return (f"{where} was finite, so the scaled gradients overflowed in the"
                         f" backward pass; {self.overflows_since_update} checks since the"
@@ -226,6 +232,9 @@ class OverflowReport:
     def line(self) -> str:
         """The report as one line, the same wording on every backend."""
         loss = "unknown" if self.loss is None else f"{self.loss:.4g}"
+        if self.micro_batch is not None and self.micro_batches > 1:
+            largest = ", the largest" if math.isfinite(self.loss or 0.0) else ""
+            loss += f" in micro-batch {self.micro_batch} of {self.micro_batches}{largest}"
         listed = ", ".join(g.describe() for g in self.gradients[:_LISTED])
         more = len(self.gradients) - _LISTED
         if more > 0:
@@ -253,6 +262,8 @@ class OverflowReport:
             "bad_samples": list(self.bad_samples),
             "forward_in_trace": self.forward_in_trace,
             "overflows_since_update": self.overflows_since_update,
+            "micro_batch": self.micro_batch,
+            "micro_batches": self.micro_batches,
             "cause": self.cause,
             "line": self.line(),
         }
@@ -400,7 +411,7 @@ class ForwardTrace:
         non-finite among those it holds, and the input samples that were."""
         # (Forwards run inside a trace left no flag: see _input_hook.)
         records = [r for r in self._records if r.flag is not None]
-        _, _, finite = self._backend.read_overflow([], None, [r.flag for r in records])
+        _, _, finite = self._backend.read_overflow([], [], [r.flag for r in records])
         return first_nonfinite(records, finite)
 
     def clear(self) -> None:
@@ -514,10 +525,26 @@ def _check_int(name: str, value: Any, least: int) -> None:
 
 
 def _loss_of(outputs: Any) -> Any:
-    """The loss a report gives the value of: the scaled tensor, or the first of a list."""
+    """The loss a report may give the value of: the scaled tensor, or the first of a
+    list, if it has one element."""
     if isinstance(outputs, (list, tuple)):
         outputs = outputs[0] if outputs else None
-    return outputs if hasattr(outputs, "shape") else None
+    if not hasattr(outputs, "shape") or math.prod(int(d) for d in outputs.shape) != 1:
+        return None
+    return outputs
+
+
+# Losses of one iteration a report reads back, at most (the latest): an accumulation of
+# more micro-batches is named among those.
+_MAX_LOSSES = 64
+
+
+def _quoted(values: list[float]) -> int:
+    """Which loss a report quotes: the first inf/NaN one, else the largest."""
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            return i
+    return max(range(len(values)), key=lambda i: abs(values[i]))
 
 
 class ScalerForensics:
@@ -528,14 +555,17 @@ class ScalerForensics:
         # Reads forward traces' flags; a disabled scaler checks nothing, so never reports.
         self._traces = Reader() if enabled else None
         self._models: list[Callable[[], Any]] = []
-        self.loss: Any = None  # the last loss scaled in this iteration
+        # this iteration's scaled losses: (which micro-batch, the one-element tensor)
+        self.losses: collections.deque[tuple[int, Any]] = collections.deque(
+            maxlen=_MAX_LOSSES)
+        self.scaled_count = 0  # outputs scaled since then
+        self._checks = 0  # the iteration's checks when the set began
         self.warn_after = 10
         self.warn_below = 1.0
         self.history: collections.deque[OverflowReport] = collections.deque(maxlen=16)
         self.last: OverflowReport | None = None
         self._run = 0  # skipped steps in a row
         self._warned = False  # this run of skipped steps has been warned about
-        self._stall_warned = False  # overflows with no update() between: warned about
 
     def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
         _check_int("warn_after", warn_after, 1)
@@ -568,10 +598,18 @@ class ScalerForensics:
         return [r.as_dict() for r in self.history]
 
     # -- what the machine announces --------------------------------------------------------
-    def scaled(self, outputs: Any) -> None:
-        """Remembers the loss being scaled, for the report's loss value, until the
-        iteration ends (the loop holds it that long anyway)."""
-        self.loss = _loss_of(outputs)
+    def scaled(self, outputs: Any, checks: int) -> None:
+        """Remembers the loss being scaled, for the report's loss value, until a check
+        came and a new loss goes out, or the iteration ends: the micro-batches whose
+        gradients the next check covers (an accumulating loop holds them anyway)."""
+        if checks != self._checks:  # a check came since the last loss: a new set
+            self._checks = checks
+            self.losses.clear()
+            self.scaled_count = 0
+        self.scaled_count += 1
+        loss = _loss_of(outputs)
+        if loss is not None:
+            self.losses.append((self.scaled_count, loss))
 
     def overflow_found(self, params: list[Any], step: int, scale: float,
                        overflows_since_update: int) -> None:
@@ -582,24 +620,6 @@ class ScalerForensics:
             warnings.warn(f"unified_amp: the overflow report failed ({type(exc).__name__}:"
                           f" {exc}); the step was skipped as usual.", RuntimeWarning,
                           stacklevel=_user_stacklevel())
-
-    def gradients_dropped(self, params: list[Any], overflows_since_update: int,
-                          scale: float) -> None:
-        """The scale backs off only in update(), so a loop of megengine.amp's manual
-        form that never calls it skips every step at the same scale: said once."""
-        overflows = overflows_since_update
-        if self._stall_warned or overflows < max(2, self.warn_after):
-            return
-        self._stall_warned = True
-        last = f" Last: {self.last.line()}" if self.last is not None else ""
-        warnings.warn(OverflowWarning(
-            f"unified_amp: {overflows} gradient checks since the last scaler.update() found"
-            f" inf/NaN gradients and dropped them, so the weights have not moved; the loss"
-            f" scale stays {scale:g}, because only update() backs it off. Call"
-            f" scaler.update() once per iteration, after the optimizer step"
-            f" (megengine.amp's manual form: gm.backward(scaler.scale(loss)),"
-            f" scaler.unscale(gm), opt.step(), scaler.update()).{last}"),
-            stacklevel=_user_stacklevel())
 
     def updated(self, skipped: bool, scale: float, step: int) -> None:
         """Follows runs of skipped steps; warns once per run that goes on too long."""
@@ -624,8 +644,8 @@ class ScalerForensics:
             stacklevel=_user_stacklevel())
 
     def iteration_ended(self) -> None:
-        self._stall_warned = False
-        self.loss = None
+        self.losses.clear()
+        self.scaled_count = self._checks = 0
         if self._traces is not None:
             self._traces.passed()  # this scaler's next report reads only newer flags
 
@@ -636,9 +656,6 @@ class ScalerForensics:
         if backend is None:
             return  # an adapter without the probes gets no reports (the warning stays)
         with_grad = [p for p in params if p.grad is not None]
-        loss = self.loss
-        if loss is not None and math.prod(int(d) for d in loss.shape) != 1:
-            loss = None
         # The flags recorded since this scaler's last update, whichever trace made them.
         records = self._traces.unread() if self._traces is not None else []
         unseen = any(r.flag is None for r in records)  # a forward inside a trace
@@ -646,8 +663,13 @@ class ScalerForensics:
         if not traced:
             records = []
         # The one host read of the report (the verdict before it was the step's own).
-        counts, loss_value, finite = backend.read_overflow(
-            [p.grad for p in with_grad], loss, [r.flag for r in records])
+        counts, loss_values, finite = backend.read_overflow(
+            [p.grad for p in with_grad], [loss for _, loss in self.losses],
+            [r.flag for r in records])
+        loss_value, micro_batch = None, None
+        if loss_values:
+            at = _quoted(loss_values)
+            loss_value, micro_batch = loss_values[at], self.losses[at][0]
         names = self._names(backend, records)
         bad = []
         for i, (p, (n_inf, n_nan)) in enumerate(zip(with_grad, counts)):
@@ -662,7 +684,8 @@ class ScalerForensics:
             step=step, scale=scale, loss=loss_value, checked=len(with_grad),
             gradients=tuple(bad), traced=traced, first_nonfinite=first,
             bad_samples=samples, forward_in_trace=unseen,
-            overflows_since_update=overflows_since_update)
+            overflows_since_update=overflows_since_update, micro_batch=micro_batch,
+            micro_batches=max(self.scaled_count, 1))
         self.last = report
         if self.history.maxlen:
             self.history.append(report)

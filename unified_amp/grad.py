@@ -8,9 +8,9 @@ import operator
 import warnings
 from typing import Any
 
-from . import _overflowed, _tracing, distributed
+from . import _overflowed, _scaled, _tracing, distributed
 from ._registry import get_backend
-from .errors import PortabilityWarning
+from .errors import PortabilityWarning, ScalerStateError
 from .scaler._targets import params_of
 from .capabilities import DataParallelHooks, GradVersions, capability
 
@@ -195,6 +195,7 @@ class GradManager:
         finally:
             self._stop()
             self._spent = True
+        _scaled.note_backward(self._params, ys, dys)  # a scaled one: clip_grad_norm asks
 
     def zero_grad(self) -> None:
         """Drops the accumulated gradients of every attached parameter (sets them to None)."""
@@ -218,7 +219,8 @@ def _callbacks(callbacks: Any) -> list[Any]:
     return listed
 
 
-def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> float:
+def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0, *,
+                   scaled: bool = False) -> float:
     """Scales gradients in place so that their total norm is at most ``max_norm``.
 
     Args:
@@ -228,6 +230,9 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
             whatever the target.
         max_norm: the largest allowed total norm, a positive finite number.
         norm_type: the p of the p-norm (2.0, or ``float("inf")``).
+        scaled: True clips gradients that a GradScaler's scale still multiplies, on
+            purpose (``max_norm`` is then a bound on the scaled norm: multiply it by
+            ``scaler.get_scale()``). False (the default) refuses them.
 
     Returns:
         The total norm of the gradients before clipping, as a Python float (this reads
@@ -244,6 +249,9 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
     ``scaler.unscale(...)``, so it sees true-scale gradients.
 
     Raises:
+        ScalerStateError: (a ``RuntimeError``) a live GradScaler scaled these gradients
+            and has not unscaled them: call ``scaler.unscale(gm)`` (or
+            ``scaler.unscale_(optimizer)``) first, or pass ``scaled=True``.
         UnsupportedTraceError: inside ``megengine.jit.trace``, where the norm cannot be
             read back as a number; clip with the framework's own function there.
     """
@@ -267,6 +275,17 @@ def clip_grad_norm(target: Any, max_norm: float, norm_type: float = 2.0) -> floa
     distributed.note_module(backend, target)
     if _overflowed.dropped(params):
         return math.inf
+    if not scaled:
+        scale = _scaled.scale_held(params)
+        if scale is not None:
+            raise ScalerStateError(
+                f"clip_grad_norm() got gradients that are still scaled by the GradScaler's"
+                f" scale ({scale:g}): clipping them would clip a norm {scale:g} times too"
+                f" large and shrink the true gradients by as much. Call"
+                f" scaler.unscale(gm) (or scaler.unscale_(optimizer)) first, then clip."
+                f" To clip the scaled gradients on purpose, pass"
+                f" clip_grad_norm(..., scaled=True) with a max_norm scaled too."
+            )
     if backend.is_module(target):
         hooks = capability(backend, DataParallelHooks)
         norm = None if hooks is None else hooks.module_clip_grad_norm(

@@ -27,7 +27,7 @@ from .interface import LOW_PRECISION
 from ._registry import get_backend
 from .autocast import autocast
 
-__all__ = ["keep_float32", "is_kept_float32", "pin_expression"]
+__all__ = ["keep_float32", "is_kept_float32"]
 
 _ATTR = "_unified_amp_keep_float32"  # the module's _Float32Forward, pinned or not
 # The keyword through which the pin's forward pre-hook hands the pin the module object
@@ -134,19 +134,6 @@ def pinned_modules(model: Any, backend: Any) -> list[Any]:
     """The pinned modules among ``model`` and its submodules (amp.initialize leaves
     their weights float32)."""
     return [m for _, m in backend.named_modules(model) if is_kept_float32(m)]
-
-
-def pin_expression(dotted: str) -> str:
-    """``model.encoder.layers[3]`` for the dotted module name ``encoder.layers.3``."""
-    expr = "model"
-    for part in dotted.split(".") if dotted else ():
-        if part.isdigit():
-            expr += f"[{part}]"
-        elif part.isidentifier():
-            expr += f".{part}"
-        else:
-            expr += f"[{part!r}]"
-    return expr
 
 
 def _describe(obj: Any) -> str:

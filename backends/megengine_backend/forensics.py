@@ -37,8 +37,9 @@ class ForensicsProbes(capabilities.ForensicsProbes):
         zeros = t * 0
         return zeros.reshape(rows, -1).sum(axis=1) if per_row else zeros.sum()
 
-    def read_overflow(self, grads: Sequence[Any], loss: Any, flags: Sequence[Any]
-                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+    def read_overflow(self, grads: Sequence[Any], losses: Sequence[Any],
+                      flags: Sequence[Any]
+                      ) -> tuple[list[tuple[int, int]], list[float], list[list[bool]]]:
         parts = []
         for t in grads:
             counts = F.stack([F.isinf(t).astype("int32").sum().reshape(1),
@@ -47,11 +48,10 @@ class ForensicsProbes(capabilities.ForensicsProbes):
             # hold it exactly (count // 4096 and count % 4096; float32 is exact to 2**24).
             high = counts // _SPLIT
             parts.append(F.concat([high, counts - high * _SPLIT]).astype("float32"))
-        if loss is not None:
-            parts.append(loss.detach().reshape(1).astype("float32"))
+        parts += [loss.detach().reshape(1).astype("float32") for loss in losses]
         parts += [f.reshape(-1).astype("float32") for f in flags]
         if not parts:
-            return [], None, []
+            return [], [], []
         device = parts[0].device
         values = F.concat([p.to(device) for p in parts]).numpy()  # the one read
         counts_out = []
@@ -60,15 +60,14 @@ class ForensicsProbes(capabilities.ForensicsProbes):
             counts_out.append((int(high[0]) * _SPLIT + int(low[0]),
                                int(high[1]) * _SPLIT + int(low[1])))
         at = 4 * len(grads)
-        loss_value = None
-        if loss is not None:
-            loss_value, at = float(values[at]), at + 1
+        loss_values = [float(v) for v in values[at:at + len(losses)]]
+        at += len(losses)
         finite = []
         for f in flags:
             n = math.prod(int(d) for d in f.shape)
             finite.append([bool(v) for v in np.isfinite(values[at:at + n])])
             at += n
-        return counts_out, loss_value, finite
+        return counts_out, loss_values, finite
 
     def named_parameters(self, model: Any) -> list[tuple[str, Any]]:
         return list(model.named_parameters())

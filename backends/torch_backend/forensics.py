@@ -27,9 +27,9 @@ class ForensicsProbes(capabilities.ForensicsProbes):
             return torch.aminmax(t)
         return torch.aminmax(t.flatten(1) if t.dim() > 1 else t.unsqueeze(1), dim=1)
 
-    def read_overflow(self, grads: Sequence[torch.Tensor], loss: torch.Tensor | None,
+    def read_overflow(self, grads: Sequence[torch.Tensor], losses: Sequence[torch.Tensor],
                       flags: Sequence[Any]
-                      ) -> tuple[list[tuple[int, int]], float | None, list[list[bool]]]:
+                      ) -> tuple[list[tuple[int, int]], list[float], list[list[bool]]]:
         parts = []
         with torch.no_grad():
             for t in grads:
@@ -37,21 +37,19 @@ class ForensicsProbes(capabilities.ForensicsProbes):
                 # A DTensor's own counts would be a collective: count this rank's shard.
                 t = t.to_local() if hasattr(t, "to_local") else t
                 parts.append(torch.stack([torch.isinf(t).sum(), torch.isnan(t).sum()]))
-            if loss is not None:
+            for loss in losses:
                 loss = loss.to_local() if hasattr(loss, "to_local") else loss  # this rank's
                 parts.append(loss.detach().reshape(1))
             parts += [v.reshape(-1) for flag in flags for v in flag]  # (min, max) pairs
             if not parts:
-                return [], None, []
+                return [], [], []
             # float64 holds every count exactly and keeps inf/NaN; one copy to the host
             # (tolist() of a device tensor would read element by element elsewhere).
             target = parts[0].device
             values = torch.cat([p.to(target, torch.float64) for p in parts]).cpu().tolist()
         counts = [(int(values[i]), int(values[i + 1])) for i in range(0, 2 * len(grads), 2)]
         at = 2 * len(grads)
-        loss_value = None
-        if loss is not None:
-            loss_value, at = values[at], at + 1
+        loss_values, at = values[at:at + len(losses)], at + len(losses)
         finite = []
         for flag in flags:
             n = flag[0].numel()
@@ -59,7 +57,7 @@ class ForensicsProbes(capabilities.ForensicsProbes):
             finite.append([math.isfinite(lo) and math.isfinite(hi)
                            for lo, hi in zip(lows, highs)])
             at += 2 * n
-        return counts, loss_value, finite
+        return counts, loss_values, finite
 
     def named_parameters(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
         return list(model.named_parameters())

@@ -144,6 +144,8 @@ def test_planted_overflows_give_the_same_report_on_every_backend(kit, device, ca
 
     report = scaler.last_overflow().as_dict()
     line, loss = report.pop("line"), report.pop("loss")
+    # one loss, the step's (tests/contract/test_new_user_mistakes_contract.py has several)
+    assert (report.pop("micro_batch"), report.pop("micro_batches")) == (1, 1)
     want = dict(EXPECTED[case, traced])
     want_loss = want.pop("loss")
     assert report == dict(step=1, scale=1024.0, checked=6, traced=traced,
@@ -243,15 +245,16 @@ def test_the_adapter_primitives_see_every_kind_of_nonfinite(kit, device, backend
     # more infs than 4096 (MegEngine sends a count as two float32 parts split there)
     many = kit.tensor(np.array([np.inf] * 5000 + [np.nan] * 3, np.float32), device, dtype)
     grads = [t, kit.tensor(rows[:1], device, dtype), many]
-    loss = kit.tensor(np.array([2.5], np.float32), device, dtype)
+    losses = [kit.tensor(np.array([2.5], np.float32), device, dtype),
+              kit.tensor(np.array([np.inf], np.float32), device, dtype)]
     log = []
     patch_reads(monkeypatch, kit, log)
-    counts, loss_value, finite = backend.read_overflow(grads, loss, flags)
+    counts, loss_values, finite = backend.read_overflow(grads, losses, flags)
     monkeypatch.undo()
     assert len(log) == 1  # one host read for all of it
-    assert counts == [(2, 1), (0, 0), (5000, 3)] and loss_value == 2.5
+    assert counts == [(2, 1), (0, 0), (5000, 3)] and loss_values == [2.5, math.inf]
     assert finite == [[False], [True, False, False, False, True],
                       [True], [False], [False], [False], [True], []]
-    assert backend.read_overflow([], None, flags[:2]) == (
-        [], None, [[False], [True, False, False, False, True]])
-    assert backend.read_overflow([], None, []) == ([], None, [])
+    assert backend.read_overflow([], [], flags[:2]) == (
+        [], [], [[False], [True, False, False, False, True]])
+    assert backend.read_overflow([], [], []) == ([], [], [])

@@ -6,7 +6,8 @@ megengine.amp allows unscaling new gradients again and again without ``update()`
 the loop runs as there: every step is skipped and the scale stays where it is, since only
 ``update()`` backs it off. What it must not be is silent or misreported: ``stats()``
 counts the checks and overflows since the last update, the reports say that the scale has
-not backed off, and one ``OverflowWarning`` says that the weights cannot move.
+not backed off, and one ``OverflowWarning``, at the first check no update() preceded, says
+that it cannot.
 """
 
 import warnings
@@ -56,13 +57,15 @@ def test_stats_count_the_checks_and_overflows_since_the_last_update(kit, device)
 
 
 def test_a_loop_that_never_updates_is_warned_about_once(kit, device):
+    # At the second check of the same gradients, the first that no update() preceded.
     _, caught = _stalled_loop(kit, device, 8, warn_after=3)
     assert len(caught) == 1
     assert caught[0].startswith(
-        "unified_amp: 3 gradient checks since the last scaler.update() found inf/NaN"
-        " gradients and dropped them, so the weights have not moved; the loss scale stays"
-        " 1.70141e+38, because only update() backs it off. Call scaler.update() once per"
-        " iteration, after the optimizer step")
+        "unified_amp: a gradient check found inf/NaN gradients (step 1) and the next check"
+        " of the same gradients came with no scaler.update() between them: the loss scale"
+        " stays 1.70141e+38, since only update() backs it off, so the following steps"
+        " may overflow and be dropped too. Call scaler.update() once per iteration, after"
+        " the optimizer step")
 
 
 def test_reports_do_not_say_the_scale_backs_off_when_no_update_came(kit, device):

@@ -409,11 +409,11 @@ class CapableFakeBackend(FakeBackend, capabilities.OptLevelCasting,
             return [math.isfinite(v) for v in tensor.values]
         return [all(math.isfinite(v) for v in tensor.values)]
 
-    def read_overflow(self, grads, loss, flags):
+    def read_overflow(self, grads, losses, flags):
         self.forensic_reads += 1
         counts = [(sum(math.isinf(v) for v in t.values), sum(math.isnan(v) for v in t.values))
                   for t in grads]
-        return counts, None if loss is None else float(loss.item()), [list(f) for f in flags]
+        return counts, [float(loss.item()) for loss in losses], [list(f) for f in flags]
 
     def named_parameters(self, model):
         return list(model.named_parameters())

@@ -44,11 +44,13 @@ def test_dtype_spellings(spelling, expected):
     assert amp.autocast(dtype=spelling).dtype == expected
 
 
-@pytest.mark.parametrize("bad", ["float32", "int8", "float64", ""])
+@pytest.mark.parametrize("bad", ["float32", "int8", "float64", "", "FP16", "float16 ",
+                                 "Half"])
 def test_invalid_dtype_string_is_a_value_error_naming_it(bad):
     with pytest.raises(ValueError) as info:
         amp.autocast(dtype=bad)
-    assert repr(bad) in str(info.value) and "'float16' or 'bfloat16'" in str(info.value)
+    assert repr(bad) in str(info.value)
+    assert "'float16', 'half', 'fp16', 'bfloat16', 'bf16'" in str(info.value)
 
 
 def test_torch_call_form(fake):

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 import unified_amp as amp
-from unified_amp.pinning import pin_expression
+from unified_amp._pin_hint import pin_expression
 
 from ..spies import record_calls
 from .fake_backend import NamedModule, FakeOptimizer, FakeTensor
@@ -67,7 +67,8 @@ def test_report_names_the_nonfinite_gradients_of_a_watched_model(capable_fake, n
         "step": 2, "scale": 8.0, "loss": 0.25, "checked": 2,
         "gradients": [{"name": "head.weight", "shape": [1], "inf": 1, "nan": 0}],
         "traced": False, "first_nonfinite": None, "bad_samples": [],
-        "forward_in_trace": False, "overflows_since_update": 1, "cause": "backward",
+        "forward_in_trace": False, "overflows_since_update": 1, "micro_batch": 1,
+        "micro_batches": 1, "cause": "backward",
         "line": report.line()}
     assert str(report) == report.line() == (
         "unified_amp: step 2 skipped (scale 8, loss 0.25): inf/NaN gradients in 1 of 2"
@@ -159,7 +160,7 @@ def test_an_overflow_step_adds_one_read_of_the_gradients(capable_fake, net):
 def test_a_failing_report_warns_and_the_step_is_still_skipped(capable_fake, net, monkeypatch):
     model, params, opt = net
 
-    def broken(grads, loss, flags):
+    def broken(grads, losses, flags):
         raise RuntimeError("adapter bug")
 
     monkeypatch.setattr(capable_fake, "read_overflow", broken)

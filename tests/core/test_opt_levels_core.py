@@ -104,7 +104,7 @@ BAD = [
     (dict(loss_scale=math.inf), ValueError, "'dynamic' or a positive finite number"),
     (dict(max_loss_scale=0), ValueError, "max_loss_scale must be a positive"),
     (dict(min_loss_scale=4.0, max_loss_scale=2.0), ValueError, "is above max_loss_scale"),
-    (dict(low_dtype="float64"), ValueError, "low_dtype must be 'float16' or 'bfloat16'"),
+    (dict(low_dtype="float64"), ValueError, "low_dtype must be one of 'float16', 'half'"),
     (dict(opt_level="O2", cast_model_type="float16", low_dtype="bfloat16"), ValueError,
      "pass one of them"),
     (dict(cast_model_type="int8"), ValueError, "cast_model_type must be"),

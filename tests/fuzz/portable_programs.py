@@ -60,6 +60,15 @@ FORWARDS = {
     "second": ["same"] * 10 + ["nested-f16", "nested-off", "after-f16", "after-off",
                                "after-none"],
 }
+# dtype= spellings an autocast is made with: the same accepted, the same refused, on both
+DTYPE_SPELLINGS = {
+    "float16": lambda kit: "float16", "half": lambda kit: "half",
+    "bf16": lambda kit: "bf16", "np.float16": lambda kit: np.float16,
+    "np.dtype": lambda kit: np.dtype("float16"),
+    "framework": lambda kit: kit.dtype_object("float16"),
+    "FP16": lambda kit: "FP16", "blank": lambda kit: "float16 ",
+    "float32": lambda kit: "float32", "np.float32": lambda kit: np.float32,
+}
 BACKWARDS = ["auto"] * 6 + ["manual"] * 4 + ["dy"] * 2 + ["auto-noupdate", "auto-nounscale",
                                                          "plain", "framework", "none"]
 
@@ -108,6 +117,8 @@ def _iteration(rng: random.Random) -> list[list[Any]]:
     elif kind == "manual":
         for _ in range(rng.choice([1, 1, 2, 3])):
             it.append(_block(rng, rng.choice(["manual", "manual", "dy"])))
+        if rng.random() < 0.1:  # clipped before unscale: refused, the scale still on them
+            it.append(clip)
         it.append(["unscale", rng.choice(["gm", "gm", "params", "opt"])])
         if rng.random() < 0.5:
             it.append(clip)
@@ -137,6 +148,8 @@ def _iteration(rng: random.Random) -> list[list[Any]]:
         it.insert(rng.randrange(1, len(it) + 1), ["poison", rng.choice(["inf", "nan"])])
     if rng.random() < 0.2:
         it.append(["roundtrip", rng.choice(["own", "other"])])
+    if rng.random() < 0.1:
+        it.insert(rng.randrange(len(it) + 1), ["dtype", rng.choice(sorted(DTYPE_SPELLINGS))])
     it.append(["zero_grad", rng.choice(["gm", "opt"])])
     misuse(rng, it, lambda: rng.choice([
         ["unscale", "gm"], ["update", None], ["step"], ["opt_step"], _block(rng),
@@ -278,6 +291,9 @@ class World:
             record["native"] = self.native_load(loaded)
             self.scaler = self.new_scaler()
             self.scaler.load_state_dict(loaded)
+        elif kind == "dtype":
+            record["autocast_dtype"] = amp.autocast(
+                dtype=DTYPE_SPELLINGS[call[1]](self.kit)).dtype
         elif kind == "load_bad":
             bad = BAD_STATE_DICTS[call[1]]
             refusal = self.native_refusal(bad)

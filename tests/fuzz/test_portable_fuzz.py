@@ -306,6 +306,7 @@ def compare(seed: int, index: int, t: dict[str, Any], m: dict[str, Any],
                         raise AssertionError(f"{where(k)}\non {name}, a refused load"
                                              f" changed the scaler")
             same(k, "the forward's dtypes", a["dtypes"], b["dtypes"])
+            same(k, "autocast's dtype", a.get("autocast_dtype"), b.get("autocast_dtype"))
             same(k, "stats()", a["stats"], b["stats"])
             same(k, "warnings", a["warnings"], b["warnings"])
             same(k, "which parameters have gradients", [g is None for g in a["grads"]],
@@ -359,7 +360,8 @@ def _parting(listed: dict[str, Parting], a: dict[str, Any], b: dict[str, Any],
 
 
 def _brief(record: dict[str, Any]) -> str:
-    keep = ("outcome", "message", "dtypes", "stats", "clip", "state", "warnings")
+    keep = ("outcome", "message", "dtypes", "autocast_dtype", "stats", "clip", "state",
+            "warnings")
     return json.dumps({k: record[k] for k in keep if k in record})
 
 

@@ -4,7 +4,8 @@ Read in this order:
 
 - ``_grad_scaler.py``  ``GradScaler``: the call forms of torch.amp and megengine.amp,
   argument checks, checkpoints; every operation goes to the machine it holds, and its
-  overflow forensics (unified_amp/forensics.py) listens to that machine.
+  overflow forensics (unified_amp/forensics.py, subscribed by unified_amp/__init__)
+  listens to that machine.
 - ``_machine.py``      ``ScalerMachine``: the state machine -- every transition
   (``scale``, ``backward(gm, loss)``, ``unscale``, ``step``, ``update``), each written
   top to bottom, and what it announces to listeners.

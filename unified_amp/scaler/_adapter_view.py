@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._iteration import Check
+from ._ledger import by_grad
 from ..capabilities import DeviceScale
 
 __all__ = ["AdapterView"]
@@ -81,6 +82,9 @@ class AdapterView:
     def check_only(self, optimizer: Any) -> Check:
         machine = self._machine
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        check = machine.check(params, unscale=False, read=False, allow_fp16=True)
-        machine.iteration.optimizer(optimizer).checks.append(check)
+        check = machine.check(by_grad(params), None, read=False)
+        if check is None:  # no gradient here, and no other rank to join
+            check = Check(None, False)
+            machine.iteration.add(check)
+        machine.iteration.optimizers[id(optimizer)].checks.append(check)
         return check

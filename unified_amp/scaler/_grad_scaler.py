@@ -28,7 +28,8 @@ differs.
 Where the parts live: this module has the public class, which holds its state machine
 (``self._machine``, a ``ScalerMachine``: _machine.py, with what one iteration records and
 every transition) and delegates to it, and the overflow forensics that listens to the
-machine (``self._forensics``, forensics.py); ``_state.py`` has the numbers (scale,
+machine (``self._forensics``, forensics.py, which unified_amp/__init__ subscribes:
+``subscribe_forensics``, so the scaler imports none of it); ``_state.py`` has the numbers (scale,
 tracker, telemetry) and checkpoints, ``unified_amp/_scale_rule.py`` the scale rule and
 the checks of its numbers, ``_call_forms.py`` the constructor's two call forms.
 """
@@ -37,29 +38,57 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, TypeVar, overload
+from typing import Any, Callable, Protocol, TypeVar, overload
 
 from .. import _tracing, distributed
 from ._adapter_view import AdapterView
 from ._call_forms import UNIFIED_SIG, bind, device_of_call
 from .._registry import get_backend
-from .._scale_rule import check_factors, next_scale, valid_scale
-from ._machine import ScalerMachine
+from .._scale_rule import check_factors, valid_scale
+from ._machine import Listener, ScalerMachine
 from ._state import ScaleState
 from ._targets import is_optimizer
 from ..errors import ScalerStateError
-from ..forensics import OverflowReport, ScalerForensics
 from ..capabilities import NativeScalerClass, capability
 
-__all__ = ["GradScaler", "AdapterView", "next_scale"]
+__all__ = ["GradScaler", "AdapterView"]
 
 _S = TypeVar("_S", bound="GradScaler")
 
-# What a pickle holds (the names GradScaler's attributes had before the state machine
-# became an object of its own, so pickles of either layout load in both).
-_PICKLED = ("_enabled", "_device", "_scale_value", "_growth_factor", "_backoff_factor",
-            "_growth_interval", "_tracker", "_steps", "_skipped_steps",
-            "_last_step_skipped", "_as_of_step", "_updated_by_backward")
+
+class Forensics(Listener, Protocol):
+    """A scaler's overflow forensics, as GradScaler delegates to it (``watch()``,
+    ``last_overflow()``, ``stats()["overflows"]``); it listens to the machine
+    (_machine.Listener). unified_amp/__init__ subscribes forensics.py's, so that the
+    scaler imports none of it."""
+
+    last: Any  # the newest OverflowReport, or None
+
+    def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
+        ...
+
+    def history_dicts(self) -> list[dict[str, Any]]: ...
+
+
+class _NoForensics:
+    """What a scaler has where nothing subscribed forensics (never, once
+    ``import unified_amp`` ran): no reports."""
+
+    last = None
+
+    def watch(self, model: Any, warn_after: int, warn_below: float, history: int) -> None:
+        raise RuntimeError("GradScaler.watch() needs the overflow forensics that `import"
+                           " unified_amp` subscribes; import unified_amp first.")
+
+    def history_dicts(self) -> list[dict[str, Any]]:
+        return []
+
+
+def subscribe_forensics(make: Callable[[bool], Forensics]) -> None:
+    """Every GradScaler made from now on subscribes ``make(enabled)`` to its state
+    machine, as its forensics: a listener (_machine.Listener) that is a ``Forensics``.
+    Called once, by unified_amp/__init__, which assembles the public API."""
+    GradScaler.make_forensics = staticmethod(make)
 
 
 class GradScaler:
@@ -108,9 +137,11 @@ class GradScaler:
 
     # What inspect.signature(GradScaler) shows; the overloads below are for type checkers.
     __signature__ = UNIFIED_SIG
-    __module__ = "unified_amp.scaler"  # the path pickles name, as before scaler/ was a package
     _machine: ScalerMachine  # the state machine this scaler holds and delegates to
-    _forensics: ScalerForensics  # its overflow reports, listening to the machine
+    _forensics: "Forensics | _NoForensics"  # its overflow reports, listening to the machine
+    # Makes a scaler's forensics from its enabled flag (subscribe_forensics): a factory
+    # every scaler calls for its own, no state any two share.
+    make_forensics: Callable[[bool], Forensics] | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GradScaler":
         if cls is GradScaler:
@@ -159,8 +190,12 @@ class GradScaler:
 
     def _start(self, machine: ScalerMachine) -> None:
         self._machine = machine
-        self._forensics = ScalerForensics(machine.enabled)
-        machine.listeners.append(self._forensics)
+        make = type(self).make_forensics
+        if make is None:
+            self._forensics = _NoForensics()
+        else:
+            self._forensics = make(machine.enabled)
+            machine.listeners.append(self._forensics)
 
     # -- the loop ---------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -295,7 +330,7 @@ class GradScaler:
         it as ``dy`` to ``gm.backward``)."""
         machine = self._machine
         machine.refuse_in_trace("GradScaler.get_scale() (or scale_factor)", "read")
-        machine.iteration.hand_out(None)
+        machine.hand_out(None)
         machine.dropped.forget()
         return self.get_scale()
 
@@ -372,8 +407,9 @@ class GradScaler:
         self._forensics.watch(model, warn_after, warn_below, history)
         return self
 
-    def last_overflow(self) -> OverflowReport | None:
-        """The report of the newest gradient check that found an inf/NaN, or None.
+    def last_overflow(self) -> Any:
+        """The report of the newest gradient check that found an inf/NaN (an
+        ``amp.OverflowReport``), or None.
 
         ``str(report)`` is one line: step, scale, loss, which gradients were inf or
         NaN, and the likely cause; ``report.as_dict()`` is the same as plain data.
@@ -442,29 +478,16 @@ class GradScaler:
         # overflow reports (models) and a process group (a live communicator) are
         # remade or given again after loading.
         state = {k: v for k, v in self.__dict__.items() if k not in ("_machine", "_forensics")}
-        state.update(_enabled=machine.enabled, _device=machine.device, _scale_value=scale_state.scale,
-                     _growth_factor=scale_state.growth_factor,
-                     _backoff_factor=scale_state.backoff_factor,
-                     _growth_interval=scale_state.growth_interval,
-                     _tracker=scale_state.growth_tracker, _steps=scale_state.steps,
-                     _skipped_steps=scale_state.skipped_steps,
-                     _last_step_skipped=scale_state.last_step_skipped,
-                     _as_of_step=scale_state.as_of_step,
-                     _updated_by_backward=machine.updated_by_backward)
+        state["_settings"] = (machine.enabled, machine.device, machine.updated_by_backward,
+                              scale_state.numbers())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Also a pickle from before the state machine was an object (the same keys,
-        # beside others that are remade now).
-        extra = {k: v for k, v in state.items()
-                 if k not in _PICKLED and k not in _REMADE}
-        scale_state = ScaleState(state["_scale_value"], state["_growth_factor"],
-                             state["_backoff_factor"], state["_growth_interval"],
-                             state["_tracker"], state["_steps"], state["_skipped_steps"],
-                             state["_last_step_skipped"], state.get("_as_of_step"))
-        self.__dict__.update(extra)
-        self._start(ScalerMachine(self, state["_enabled"], state["_device"], None, scale_state))
-        self._machine.updated_by_backward = state.get("_updated_by_backward", False)
+        state = dict(state)
+        enabled, device, updated_by_backward, numbers = state.pop("_settings")
+        self.__dict__.update(state)
+        self._start(ScalerMachine(self, enabled, device, None, ScaleState(*numbers)))
+        self._machine.updated_by_backward = updated_by_backward
 
     def __repr__(self) -> str:
         machine = self._machine
@@ -478,8 +501,3 @@ class GradScaler:
             f" growth_interval={scale_state.growth_interval}, enabled={machine.enabled})"
         )
 
-
-# What a pickle from before held beside _PICKLED, all remade on loading.
-_REMADE = ("_backend", "_process_group", "_dev", "_trace_copy", "_ledger", "_param_lists",
-           "_caps_known", "_forensics", "_tail", "_opt_states", "_checks",
-           "_handed_watched", "_handed_blind", "_saw_backward")

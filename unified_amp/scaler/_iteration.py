@@ -9,7 +9,9 @@ machine's (_machine.py); ``update()`` starts a new one.
 
 from __future__ import annotations
 
+import collections
 import enum
+import weakref
 from typing import Any
 
 from ..errors import ScalerStateError
@@ -35,27 +37,29 @@ class Stage(enum.Enum):
 class Check:
     """One fused check (usually with unscale) over a set of gradients: ``flag``, the
     adapter's device-side flag (None: no gradients); ``found``, the host verdict once
-    read (None while unread); ``pending``, the handle of a cross-rank all-reduce still
+    read (None while unread); ``reduction``, the handle of a cross-rank all-reduce still
     running on ``flag`` (distributed.py); ``params``, whose gradients it covered, and
     ``step``, the scaler step it decides: what an overflow announces (dropped once the
-    verdict is read)."""
+    verdict is read); ``by_optimizer``, a fused optimizer unscales in its kernel."""
 
-    __slots__ = ("flag", "found", "pending", "params", "step", "__weakref__")
+    __slots__ = ("flag", "found", "reduction", "params", "step", "by_optimizer",
+                 "__weakref__")
 
-    def __init__(self, flag: Any, found: bool | None, pending: Any = None,
+    def __init__(self, flag: Any, found: bool | None, reduction: Any = None,
                  params: list[Any] | None = None, step: int = 0) -> None:
         self.flag = flag
         self.found = found
-        self.pending = pending
+        self.reduction = reduction
         self.params = params
         self.step = step
+        self.by_optimizer = False  # a fused optimizer unscales these in its own kernel
 
     def ready(self) -> Any:
         """The flag, once any all-reduce on it has completed (on a GPU this orders the
         streams and does not wait on the host)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.wait()
+        if self.reduction is not None:
+            reduction, self.reduction = self.reduction, None
+            reduction.wait()
         return self.flag
 
 
@@ -82,10 +86,13 @@ class Iteration:
 
     __slots__ = ("optimizers", "checks", "folded_checks", "folded_overflows",
                  "handed_watched", "handed_unwatched", "awaiting_backward",
-                 "backward_seen", "recorded_while_awaiting")
+                 "backward_seen", "recorded_while_awaiting", "scaled_outputs",
+                 "overflowed", "overflow_step", "warned_no_update")
 
     def __init__(self) -> None:
-        self.optimizers: dict[int, OptimizerStage] = {}
+        # keyed by id(), as torch.amp's _per_optimizer_states (a stage made on first use)
+        self.optimizers: collections.defaultdict[int, OptimizerStage] = \
+            collections.defaultdict(OptimizerStage)
         self.checks: list[Check] = []
         self.folded_checks = 0  # read checks folded into counts, and how many found inf/NaN
         self.folded_overflows = 0
@@ -94,12 +101,14 @@ class Iteration:
         self.awaiting_backward: list[Any] = []  # tokens of outputs no backward went through
         self.backward_seen = False  # a backward went through a watched output
         self.recorded_while_awaiting = False  # a ledger record was made while one awaited
-
-    def optimizer(self, optimizer: Any) -> OptimizerStage:
-        stage = self.optimizers.get(id(optimizer))
-        if stage is None:
-            stage = self.optimizers[id(optimizer)] = OptimizerStage()
-        return stage
+        # the last scale() outputs (weakly: an id() could be a new tensor's), for a
+        # GradManager's backward of one to mark the gradients it writes (_scaled.py)
+        self.scaled_outputs: list[Any] = []
+        # id()s of the params whose gradients a check found inf/NaN in, the first such
+        # check's step, and whether a later check of them warned (no update() between)
+        self.overflowed: set[int] = set()
+        self.overflow_step = 0
+        self.warned_no_update = False
 
     def add(self, check: Check) -> None:
         checks = self.checks
@@ -113,6 +122,9 @@ class Iteration:
             self.folded_overflows += sum(1 for c in folded if c.found)
             gone = {id(c) for c in folded}
             self.checks = [c for c in checks if id(c) not in gone]
+
+    def checks_made(self) -> int:
+        return len(self.checks) + self.folded_checks
 
     def checked(self) -> bool:
         return bool(self.checks) or bool(self.folded_checks)
@@ -132,6 +144,22 @@ class Iteration:
         if len(self.awaiting_backward) >= _MAX_AWAITED:
             del self.awaiting_backward[0]
         self.awaiting_backward.append(token)
+
+    def overflow_at(self, params: list[Any], step: int) -> None:
+        """A check of ``params``' gradients, deciding ``step``, found an inf/NaN."""
+        if not self.overflowed:
+            self.overflow_step = step
+        self.overflowed.update(map(id, params))
+
+    def scaled(self, output: Any) -> None:
+        """``output`` is a ``scale()`` output."""
+        outputs = self.scaled_outputs
+        if len(outputs) >= _MAX_AWAITED:
+            del outputs[0]
+        try:
+            outputs.append(weakref.ref(output))
+        except TypeError:  # not weakly referenceable: not followed
+            pass
 
     def still_awaiting(self, probes: Any) -> bool:
         """Whether a watched output still awaits a backward pass the adapter can see;

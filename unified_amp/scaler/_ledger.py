@@ -36,11 +36,22 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 Version = Callable[[Any], "int | None"]
 # A record's check: a Check of the machine's (_machine.py), kept and handed back unread.
 CheckRef = Any
+
+
+class Split(NamedTuple):
+    """A target's parameters as the ledger sees them: ``pending``, those whose gradient
+    still needs unscaling, and ``grads``, those gradients; ``done``, the checks that
+    already unscaled the others; ``idle``, the parameters without a gradient."""
+
+    pending: list[Any]
+    grads: list[Any]
+    done: list[Any]
+    idle: list[Any]
 
 
 # lookup's answer for a gradient that a backward pass accumulated into after it was
@@ -266,8 +277,7 @@ class GradLedger:
     def empty(self) -> bool:
         return not self._batches
 
-    def split(self, params: list[Any], version: Version
-              ) -> tuple[list[Any], list[Any], list[CheckRef], list[Any]]:
+    def split(self, params: list[Any], version: Version) -> Split:
         """``params`` whose current gradient is a new generation, and those gradients;
         the checks that unscaled the others; the params without a gradient. With no
         record alive (the usual step), one pass and no lookups: ``by_grad``.
@@ -291,7 +301,7 @@ class GradLedger:
                 idle.append(p)
         if mixed:
             raise _mixed_error(mixed, len(params))
-        return pending, pending_grads, list(done.values()), idle
+        return Split(pending, pending_grads, list(done.values()), idle)
 
     def held(self, params: list[Any], version: Version) -> list[Any]:
         """The gradients of ``params`` that still hold the values a check unscaled.
@@ -317,15 +327,15 @@ class GradLedger:
         return held
 
 
-def by_grad(params: list[Any]) -> tuple[list[Any], list[Any], list[CheckRef], list[Any]]:
+def by_grad(params: list[Any]) -> Split:
     """``split`` where the ledger has nothing to say: ``params`` with a gradient and
     those gradients, no checks, and ``params`` without one."""
     grads = list(map(_grad_of, params))
     if not any(map(_is_none, grads)):  # (not `None in`: that calls __eq__)
-        return params, grads, [], []
-    return ([p for p, g in zip(params, grads) if g is not None],
-            [g for g in grads if g is not None], [],
-            [p for p, g in zip(params, grads) if g is None])
+        return Split(params, grads, [], [])
+    return Split([p for p, g in zip(params, grads) if g is not None],
+                 [g for g in grads if g is not None], [],
+                 [p for p, g in zip(params, grads) if g is None])
 
 
 def _no_version(grad: Any) -> None:

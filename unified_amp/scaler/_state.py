@@ -50,6 +50,12 @@ class ScaleState:
         self.device_scale: DeviceScale | None = None  # the adapter's device-resident scale
         self.trace_copy: Any = None  # its copy of the scale for traced steps
 
+    def numbers(self) -> tuple[Any, ...]:
+        """The constructor's arguments that remake this state (pickling)."""
+        return (self.scale, self.growth_factor, self.backoff_factor, self.growth_interval,
+                self.growth_tracker, self.steps, self.skipped_steps, self.last_step_skipped,
+                self.as_of_step)
+
     def inverse(self) -> float:
         """1 / scale in float64, rounded to float32 by the adapter: torch.amp's "FP32
         division can be imprecise" recipe, and what megengine.amp computes too."""
