@@ -28,7 +28,8 @@ def kept(kind):
     torch call; not the refusal, nor an FFT of a bfloat16 input: both raise, eagerly
     and compiled alike (tests/contract)."""
     return [r for r in ROWS if call_of(r, "torch") and "cpu" in adapter.handled_devices(r)
-            and r.rule != "refuse" and not ((r.sample.no_bfloat16 or r.refuse_low) and kind != "float32")
+            and r.rule != "refuse"
+            and not ((r.sample.no_bfloat16 or r.refuse_low) and kind != "float32")
             and r.name not in UNTRACEABLE]
 
 
