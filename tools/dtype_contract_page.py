@@ -52,21 +52,21 @@ def _notes(r: Row) -> str:
                      " autocast or without: checked on fake CUDA), and the adapters raise"
                      " the contract's error on the CPU and on MegEngine, which names the"
                      " fix (cast the input to float32).")
-    elif not r.cuda_low:
+    elif not r.sample.cuda_low:
         notes.append("torch's CUDA kernels take no low-precision input (torch raises there,"
                      " with autocast or without): the CUDA cell is checked with a float32"
                      " input.")
-    if r.no_bfloat16:
+    if r.sample.no_bfloat16:
         notes.append("bfloat16 input: an error everywhere (no complex bfloat16 dtype).")
-    if r.compiled:
-        notes.append(f"Under torch.compile: {r.compiled}")
+    if r.adapt.compiled:
+        notes.append(f"Under torch.compile: {r.adapt.compiled}")
     own = [sp for sp in r.torch if sp in pairing.COMPILED_OWN]
     if own:
         notes.append("Under torch.compile on the CPU, a low-precision input to "
                      + ", ".join(f"`{sp}`" for sp in own)
                      + " keeps torch's CPU autocast (pairing.COMPILED_OWN says why).")
-    if r.fake_cuda:
-        notes.append(f"Not checked on fake CUDA: {r.fake_cuda}.")
+    if r.sample.fake_cuda:
+        notes.append(f"Not checked on fake CUDA: {r.sample.fake_cuda}.")
     return " ".join(notes)
 
 
@@ -74,8 +74,8 @@ def _row(r: Row) -> str:
     f32, low = CELLS[r.rule]
     if r.refuse_low:
         low = "error"
-    megengine = _code(r.megengine) if r.megengine_call else "absent"
-    own_megengine = r.native("megengine") if r.megengine_call else ""
+    megengine = _code(r.megengine) if r.sample.megengine else "absent"
+    own_megengine = r.native("megengine") if r.sample.megengine else ""
     cells = [f"`{r.name}`", r.rule, f32, low, r.native("torch-cpu"), own_megengine,
              _code(r.aten) or "(none)", megengine, _notes(r)]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"

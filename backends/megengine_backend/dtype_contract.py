@@ -86,7 +86,7 @@ def policy() -> str | None:
 def handled(row: table.Row) -> bool:
     """Whether MegEngine's own autocast does not keep ``row`` by itself."""
     return row.native("megengine") != row.rule or row.refuse_low or any(
-        place.startswith("megengine") for place in row.float32_compute + row.wrapped)
+        place.startswith("megengine") for place in row.adapt.float32_compute + row.adapt.wrapped)
 
 
 def _map(fn: Callable[[Any], Any], value: Any) -> Any:
@@ -142,9 +142,9 @@ def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -
     tensors = _tensors(args, kwargs)
     if not tensors:
         return fn(*args, **kwargs)
-    places = row.float32_compute
+    places = row.adapt.float32_compute
     if "megengine-cpu" in places and not on_cpu(tensors[0]) and "megengine" not in \
-            places + row.wrapped and row.native("megengine") == row.rule:
+            places + row.adapt.wrapped and row.native("megengine") == row.rule:
         return fn(*args, **kwargs)  # handled for its CPU kernels only
     in_float32 = "megengine" in places or ("megengine-cpu" in places and on_cpu(tensors[0]))
     low = dtype_name(_get_amp_low_prec_dtype()) or "float16"
@@ -172,7 +172,7 @@ def _contract(row: table.Row, fn: Callable, args: Any, kwargs: dict[str, Any]) -
     # (where MegEngine's autocast upcasts, or its low-precision kernels fail) and
     # returned in its dtype
     first = next((_name(t) for t in tensors if _floating(t)), "")
-    if row.follows_first and first in ("float16", "bfloat16") or (
+    if row.adapt.follows_first and first in ("float16", "bfloat16") or (
             len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}):
         args, kwargs = _cast(args, kwargs, "float32")
         return _returned_as(_without_autocast(fn, args, kwargs), first)
@@ -273,7 +273,7 @@ def _rows_by_function() -> dict[tuple[int, str], tuple[Any, str, Any, list]]:
     for row in table.ROWS:
         if not (handled(row) or row.rule != "input"):
             continue
-        when = row.megengine_when.partition("=")
+        when = row.adapt.megengine_when.partition("=")
         for spelling in row.megengine:
             owner, name, fn = resolve(spelling)
             if fn is None:

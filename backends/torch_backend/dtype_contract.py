@@ -86,7 +86,7 @@ def handled_devices(row: table.Row) -> frozenset[str]:
     row's ops differ from the table's."""
     devs = {dev for dev in _KEYS if drifted(row, dev)}
     if row.native("torch-cpu") != row.rule or any(
-            place.startswith("torch-cpu") for place in row.float32_compute) \
+            place.startswith("torch-cpu") for place in row.adapt.float32_compute) \
             or _partly_registered_on_cpu(row) or row.refuse_low:
         devs.add("cpu")
     return frozenset(devs)
@@ -220,7 +220,7 @@ Handler = Callable[[Any, Any, dict[str, Any]], Any]
 
 def _handler(row: table.Row, where: frozenset[str]) -> Handler:
     rule, name = row.rule, row.name
-    float32_places = row.float32_compute
+    float32_places = row.adapt.float32_compute
     refuses_low = row.refuse_low  # as torch's CUDA kernels do, on every device
 
     def computes_in_float32(dev: str, low: torch.dtype) -> bool:
@@ -263,7 +263,7 @@ def _handler(row: table.Row, where: frozenset[str]) -> Handler:
         # (where torch's own autocast on this device upcasts, or has no low kernel) and
         # returned in its dtype
         first = _first_eligible(args, kwargs)
-        if row.follows_first and first in LOW or (len(dtypes) == 1 and first in LOW):
+        if row.adapt.follows_first and first in LOW or (len(dtypes) == 1 and first in LOW):
             return in_float32(func, args, kwargs, dev, first)
         with _autocast_off(dev):
             return func(*args, **kwargs)

@@ -96,12 +96,12 @@ def expected(r: Row, kind: str, low: str, call: str | None = None) -> str:
     default torch's), or "error" for a row that refuses."""
     if r.rule == "refuse":
         return "error"
-    call = call or r.torch_call or r.megengine_call
+    call = call or r.sample.torch or r.sample.megengine
     assert call is not None, r.name
     types = dtypes(call, kind, low)
     data = [types[n] for n in names(call) if SAMPLES[n][1] == "data"]
     params = [types[n] for n in names(call) if SAMPLES[n][1] == "param"]
-    if r.follows_first and data:  # batch norm, in-place operators: the first tensor's
+    if r.adapt.follows_first and data:  # batch norm, in-place operators: the first tensor's
         return data[0]
     return expected_dtype(r.rule, data, params, low)
 
@@ -135,8 +135,8 @@ def call_of(r: Row, framework: str) -> str | None:
     """The row's sample call on ``framework``; None where it lacks the op (MegEngine's
     absent rows; on torch, a row from a later torch than the running one)."""
     if framework == "torch":
-        return r.torch_call if on_this_torch(r) else None
-    return r.megengine_call
+        return r.sample.torch if on_this_torch(r) else None
+    return r.sample.megengine
 
 
 def spelling_calls(r: Row, framework: str) -> list[tuple[str, str]]:
@@ -149,9 +149,9 @@ def spelling_calls(r: Row, framework: str) -> list[tuple[str, str]]:
         from unified_amp.backends.torch_backend.dtype_contract import resolve
 
         spellings = [s for s in r.torch if resolve(s) is not None]
-        calls, base = pairing.TORCH_CALLS, r.torch_call
+        calls, base = pairing.TORCH_CALLS, r.sample.torch
     else:
-        spellings, calls, base = list(r.megengine), pairing.MEGENGINE_CALLS, r.megengine_call
+        spellings, calls, base = list(r.megengine), pairing.MEGENGINE_CALLS, r.sample.megengine
     out = []
     for s in spellings:
         call = pairing.call_for(r.name, base, s, calls)

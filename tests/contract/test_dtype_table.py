@@ -39,12 +39,12 @@ def refused(r, device):
     """Whether a low-precision input to the row raises on ``device``: everywhere for a
     row that refuses one (``refuse_low``), on CUDA where torch's kernels take none
     (``cuda_low``; torch raises there, docs/DTYPE_CONTRACT.md)."""
-    return r.refuse_low or (device == "cuda" and not r.cuda_low)
+    return r.refuse_low or (device == "cuda" and not r.sample.cuda_low)
 
 
 def want(r, kind, low, call, device="cpu"):
     """The contract's dtype for a cell, or "error"."""
-    if (r.no_bfloat16 and low == "bfloat16" or refused(r, device)) and kind != "float32":
+    if (r.sample.no_bfloat16 and low == "bfloat16" or refused(r, device)) and kind != "float32":
         return "error"  # no complex bfloat16; no low-precision kernel on torch's CUDA
     return expected(r, kind, low, call)
 
@@ -69,7 +69,7 @@ def test_output_dtype(kit, device, name, low):
     r = row(name)
     call = call_of(r, kit.name)
     if call is None:
-        if kit.name == "torch" and r.torch_call:  # a row from a later torch than this one
+        if kit.name == "torch" and r.sample.torch:  # a row from a later torch than this one
             present = torch_has(r)
             assert not present, (f"this torch has {present}: {name!r} exists before"
                                  f" torch {r.torch_since}, its torch_since")
@@ -82,7 +82,7 @@ def test_output_dtype(kit, device, name, low):
         else:
             import megengine.functional as F
 
-            absent = r.megengine_absent or tuple(s.rpartition(".")[2] for s in r.torch)
+            absent = r.sample.megengine_absent or tuple(s.rpartition(".")[2] for s in r.torch)
             spaces = (F, F.nn)
         present = [n for n in absent if any(hasattr(space, n) for space in spaces)]
         assert absent and not present, f"{kit.name} has {present}: give {name!r} its call"
@@ -122,7 +122,7 @@ def test_values_match_float32_within_low_precision_tolerance(kit, device, name, 
     if call is None or (kit.name, device, low) in UNSUPPORTED:
         return  # test_output_dtype checks the absence / that the block refuses
     kind = "low"
-    if r.no_bfloat16 and low == "bfloat16" or refused(r, device):
+    if r.sample.no_bfloat16 and low == "bfloat16" or refused(r, device):
         kind = "float32"  # a low-precision input raises (test_output_dtype)
     inp = {k: round_through(v, low) for k, v in inputs().items()}
     reference = kit.numpy(kit.run_call(call, device, low, "float32", inp))
@@ -256,7 +256,7 @@ def test_a_low_precision_activation_fed_to_a_disabled_block_gets_the_widest_dtyp
 
 @pytest.mark.parametrize("name", [r.name for r in ROWS if r.rule == "input"
                                   and call_of(r, "torch") and call_of(r, "megengine")
-                                  and not r.float32_compute and r.cuda_low])
+                                  and not r.adapt.float32_compute and r.sample.cuda_low])
 def test_an_input_row_in_a_disabled_block_keeps_a_low_precision_input(kit, device, name):
     """In a disabled block nested in an enabled one, an op with one low-precision input
     gives that dtype on both backends, as the "input" rows do under the contract
@@ -280,9 +280,9 @@ def test_a_disabled_block_without_the_contract_is_the_frameworks_own(kit, device
         with amp.autocast(enabled=False, contract=False):
             if kit.name == "torch":
                 with pytest.raises(RuntimeError, match="dtype"):
-                    kit.run_call(row("linear").torch_call, device, "float16", "low", inp)
+                    kit.run_call(row("linear").sample.torch, device, "float16", "low", inp)
             else:
-                out = kit.run_call(row("linear").megengine_call, device, "float16", "low",
+                out = kit.run_call(row("linear").sample.megengine, device, "float16", "low",
                                    inp)
                 assert kit.dtype_name(out) == "float32"
 
@@ -354,7 +354,7 @@ def _trusted_rows(kit):
         assert megengine.__version__ == dtype_contract.TABLE_MEGENGINE, (
             f"the table's MegEngine natives were measured on {dtype_contract.TABLE_MEGENGINE};"
             f" measure them on {megengine.__version__} (this test prints them)")
-        return [r for r in ROWS if r.megengine_call and not r.native("megengine").startswith(
+        return [r for r in ROWS if r.sample.megengine and not r.native("megengine").startswith(
             "crashes")]
     from unified_amp.backends.torch_backend import dtype_contract as adapter
 
@@ -387,7 +387,7 @@ def test_a_native_that_depends_on_the_cpu_is_one_the_adapter_does_not_act_on():
     """The adapter computes such a row in float32 on the CPU in both low dtypes, so every
     CPU gives the same outcome, whatever oneDNN has there."""
     for name in natives.TORCH_CPU_AVX2:
-        assert "torch-cpu" in row(name).float32_compute, name
+        assert "torch-cpu" in row(name).adapt.float32_compute, name
 
 
 def _torch_version():
@@ -414,7 +414,7 @@ def test_each_spelling_belongs_to_rows_of_one_rule():
         for r in ROWS:
             for spelling in getattr(r, framework):
                 seen.setdefault(spelling, set()).add(
-                    (r.rule, r.megengine_when if framework == "megengine" else ""))
+                    (r.rule, r.adapt.megengine_when if framework == "megengine" else ""))
         mixed = {s: rules for s, rules in seen.items()
                  if len({rule for rule, when in rules if not when}) > 1}
         assert not mixed, (framework, mixed)
@@ -425,7 +425,7 @@ def test_every_sample_call_names_known_tensors_and_a_data_input():
 
     for r in ROWS:
         assert r.rule in RULES, r.name
-        for call in (r.torch_call, r.megengine_call):
+        for call in (r.sample.torch, r.sample.megengine):
             if call is not None:
                 assert any(SAMPLES[n][1] == "data" for n in names(call)), (r.name, call)
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from unified_amp.dtype_contract import ROWS
 
 # Each op maps the program's (4, 8) activation to a (4, 8) activation: every row of the
-# contract the fuzz can feed (Row.fuzz), by name; a backend draws from those it has
+# contract the fuzz can feed (Sample.fuzz), by name; a backend draws from those it has
 # (autocast_ops.op_names), but not those its own autocast raises on (contract=False
 # programs run it). OPS, the default, is torch's ops that hold compiled too (the
-# compiled fuzz's: Row.compiled names those that do not).
-ALL_OPS = tuple(r.name for r in ROWS if r.fuzz and r.rule != "refuse")
+# compiled fuzz's: Adapt.compiled names those that do not).
+ALL_OPS = tuple(r.name for r in ROWS if r.sample.fuzz and r.rule != "refuse")
 
 
 def native_raises(r, framework: str) -> bool:
@@ -44,7 +44,7 @@ def on_installed_torch(r) -> bool:
     return r.on_torch(version)
 
 
-OPS = tuple(r.name for r in ROWS if r.name in ALL_OPS and r.torch_call and not r.compiled
+OPS = tuple(r.name for r in ROWS if r.name in ALL_OPS and r.sample.torch and not r.adapt.compiled
             and not native_raises(r, "torch-cpu") and on_installed_torch(r))
 LOSSES = ("cross_entropy", "mse", "bce_with_logits", "nll")
 

@@ -28,7 +28,8 @@ def kept(kind):
     torch call; not the refusal, nor an FFT of a bfloat16 input: both raise, eagerly
     and compiled alike (tests/contract)."""
     return [r for r in ROWS if call_of(r, "torch") and "cpu" in adapter.handled_devices(r)
-            and r.rule != "refuse" and not ((r.no_bfloat16 or r.refuse_low) and kind != "float32")
+            and r.rule != "refuse"
+            and not ((r.sample.no_bfloat16 or r.refuse_low) and kind != "float32")
             and r.name not in UNTRACEABLE]
 
 
@@ -43,8 +44,8 @@ UNTRACEABLE_ON_SOME_TORCH = {"quantile"}
 
 def torch_alone_compiles(r):
     inp = inputs()
-    args = [torch.from_numpy(inp[n]) for n in dtypes(r.torch_call, "float32", LOW)]
-    fn = eval(f"lambda {', '.join(names(r.torch_call))}: {r.torch_call}",  # noqa: S307
+    args = [torch.from_numpy(inp[n]) for n in dtypes(r.sample.torch, "float32", LOW)]
+    fn = eval(f"lambda {', '.join(names(r.sample.torch))}: {r.sample.torch}",  # noqa: S307
               {"torch": torch, "F": F})
     torch._dynamo.reset()
     try:
@@ -69,11 +70,11 @@ def untraceable_here():
 def test_the_rows_the_mode_keeps_hold_compiled(kind):
     rows, inp = kept(kind), inputs()
     # each row's call as a function of its sample tensors (dynamo traces into it)
-    calls = [(eval(f"lambda {', '.join(names(r.torch_call))}: {r.torch_call}",  # noqa: S307
+    calls = [(eval(f"lambda {', '.join(names(r.sample.torch))}: {r.sample.torch}",  # noqa: S307
                    {"torch": torch, "F": F}),
               [torch.from_numpy(inp[n]) if dtype == "int"
                else torch.from_numpy(inp[n]).to(getattr(torch, dtype))
-               for n, dtype in dtypes(r.torch_call, kind, LOW).items()]) for r in rows]
+               for n, dtype in dtypes(r.sample.torch, kind, LOW).items()]) for r in rows]
 
     def block():
         with amp.autocast(dtype=LOW, device="cpu"):
@@ -84,11 +85,11 @@ def test_the_rows_the_mode_keeps_hold_compiled(kind):
         got = torch.compile(block, backend="aot_eager", fullgraph=True)()
     finally:
         torch._dynamo.reset()
-    wrong = {r.name: (str(out.dtype), expected(r, kind, LOW, r.torch_call))
+    wrong = {r.name: (str(out.dtype), expected(r, kind, LOW, r.sample.torch))
              for r, out in zip(rows, got)
-             if str(out.dtype).removeprefix("torch.") != expected(r, kind, LOW, r.torch_call)}
-    # the rows whose note says compiled code keeps torch's own rule (Row.compiled)
-    assert len(rows) > 50 and set(wrong) == {r.name for r in rows if r.compiled
+             if str(out.dtype).removeprefix("torch.") != expected(r, kind, LOW, r.sample.torch)}
+    # the rows whose note says compiled code keeps torch's own rule (Adapt.compiled)
+    assert len(rows) > 50 and set(wrong) == {r.name for r in rows if r.adapt.compiled
                                              and kind == "low"}, wrong
 
 
@@ -96,7 +97,7 @@ def test_the_rows_the_mode_keeps_hold_compiled(kind):
 def test_every_spelling_of_the_rows_the_mode_keeps_holds_compiled(kind):
     """Not only each row's first spelling: every spelling of the rows the mode keeps
     (pairing.call_for), compiled, gives the contract's dtype, but where the row's note
-    says compiled code keeps torch's own rule (``Row.compiled``). Graph breaks are
+    says compiled code keeps torch's own rule (``Adapt.compiled``). Graph breaks are
     allowed here: the internal bindings some spellings name (``torch._VF.chain_matmul``)
     are builtins dynamo does not trace, and run eagerly between graphs."""
     inp = inputs()
@@ -120,9 +121,9 @@ def test_every_spelling_of_the_rows_the_mode_keeps_holds_compiled(kind):
     wrong = {(r.name, s): (str(out.dtype), expected(r, kind, LOW, call))
              for (r, s, call), out in zip(cases, got)
              if str(out.dtype).removeprefix("torch.") != expected(r, kind, LOW, call)}
-    # compiled code keeps torch's own rule for these (pairing.COMPILED_OWN, Row.compiled)
+    # compiled code keeps torch's own rule for these (pairing.COMPILED_OWN, Adapt.compiled)
     noted = {(r.name, s) for r, s, _ in cases if kind == "low" and (
-        s in pairing.COMPILED_OWN or r.compiled and s == r.torch[0])}
+        s in pairing.COMPILED_OWN or r.adapt.compiled and s == r.torch[0])}
     assert len(cases) > 150 and set(wrong) == noted, (set(wrong) ^ noted, wrong)
     if kind == "low":  # and those that raise compiled, raise
         for r in kept(kind):

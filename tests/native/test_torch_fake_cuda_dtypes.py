@@ -36,20 +36,20 @@ def cuda_kinds(r):
     CUDA kernels take no low-precision input (fake CUDA's meta kernels accept one for
     most of them), except the rows that refuse one everywhere (``refuse_low``: fake CUDA
     shows torch refusing it, as the adapters do on the CPU and on MegEngine)."""
-    return r.kinds() if r.cuda_low or r.refuse_low else ("float32",)
+    return r.kinds() if r.sample.cuda_low or r.refuse_low else ("float32",)
 
 
 def cuda_expected(r, kind, low):
-    if (r.no_bfloat16 and low == "bfloat16" or r.refuse_low) and kind != "float32":
+    if (r.sample.no_bfloat16 and low == "bfloat16" or r.refuse_low) and kind != "float32":
         return "error"
-    return expected(r, kind, low, r.torch_call)
+    return expected(r, kind, low, r.sample.torch)
 
 
 def run(fc, r, kind, low, block, call=None):
     """``block``'s dtype for the row's torch call (or ``call``) on fake CUDA, or "error"."""
     try:
         with block:
-            out = FakeCudaKit(fc).run_call(call or r.torch_call, "cuda", low, kind, inputs())
+            out = FakeCudaKit(fc).run_call(call or r.sample.torch, "cuda", low, kind, inputs())
     except RuntimeError:
         return "error"
     assert out.device.type == "cuda"
@@ -57,7 +57,7 @@ def run(fc, r, kind, low, block, call=None):
 
 
 # (rows from a later torch than this one: test_dtype_table.py checks their op is absent)
-RUNNABLE = [r.name for r in ROWS if call_of(r, "torch") and not r.fake_cuda]
+RUNNABLE = [r.name for r in ROWS if call_of(r, "torch") and not r.sample.fake_cuda]
 # Whether this torch's AutocastCUDA keeps the whole contract by itself (torch 2.13, the
 # table's torch: yes). An older torch's registrations may differ: then a CUDA block
 # pushes the contract's mode for those rows (docs/DTYPE_CONTRACT.md, "Devices").
@@ -132,7 +132,7 @@ def _cannot(fc, low, call):
     return False
 
 
-@pytest.mark.parametrize("name", [r.name for r in ROWS if r.fake_cuda])
+@pytest.mark.parametrize("name", [r.name for r in ROWS if r.sample.fake_cuda])
 def test_rows_fake_cuda_cannot_run_still_cannot(fc, name):
     """The rows checked on a GPU only (their note says why): on a CPU build (make
     test's), a torch that gains the missing meta kernel fails this, so that they join
@@ -144,7 +144,7 @@ def test_rows_fake_cuda_cannot_run_still_cannot(fc, name):
     for kind in cuda_kinds(r):
         try:
             with torch.autocast("cuda", dtype=torch.float16):
-                out = FakeCudaKit(fc).run_call(r.torch_call, "cuda", "float16", kind, inputs())
+                out = FakeCudaKit(fc).run_call(r.sample.torch, "cuda", "float16", kind, inputs())
         except (NotImplementedError, RuntimeError, AssertionError):
             continue
         ran[kind] = str(out.dtype).removeprefix("torch.")

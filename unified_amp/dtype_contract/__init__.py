@@ -30,19 +30,19 @@ expressions over the tensors of ``SAMPLES``, evaluated by the tests.
 from dataclasses import replace
 
 from . import natives, pairing, rows_compute, rows_other, rows_reduce, torch_public
-from .row import SAMPLES, Row
+from .row import SAMPLES, Adapt, Row, Sample
 from .natives import (CPU_REGISTRATIONS, CUDA_REGISTRATIONS, LATER_REGISTRATIONS,
                       TABLE_MEGENGINE, TABLE_TORCH)
 
-__all__ = ["Row", "ROWS", "RULES", "SAMPLES", "CUDA_REGISTRATIONS", "CPU_REGISTRATIONS",
+__all__ = ["Row", "Adapt", "Sample", "ROWS", "RULES", "SAMPLES", "CUDA_REGISTRATIONS", "CPU_REGISTRATIONS",
            "LATER_REGISTRATIONS", "TABLE_TORCH", "TABLE_MEGENGINE", "REFUSALS", "row", "low_refusal",
            "expected_dtype"]
 
 RULES = ("low", "float32", "promote", "input", "refuse")
 
 ROWS: tuple[Row, ...] = tuple(
-    replace(r, torch_cpu=natives.TORCH_CPU.get(r.name, ""),
-            megengine_native=natives.MEGENGINE.get(r.name, ""))
+    replace(r, adapt=replace(r.adapt, torch_cpu=natives.TORCH_CPU.get(r.name, ""),
+                             megengine_native=natives.MEGENGINE.get(r.name, "")))
     for r in rows_compute.ROWS + rows_reduce.ROWS + rows_other.ROWS)
 _BY_NAME = {r.name: r for r in ROWS}
 

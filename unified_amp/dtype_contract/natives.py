@@ -88,7 +88,7 @@ TORCH_CPU: dict[str, str] = {
 # oneDNN's AVX2 path gives them (``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces it on any x86
 # CPU): oneDNN has a bfloat16 LSTM only with AVX-512 BF16, where TORCH_CPU's entry was
 # measured. The adapter computes each of these rows in float32 on every CPU
-# (``Row.float32_compute``), so what it does depends on neither.
+# (``Adapt.float32_compute``), so what it does depends on neither.
 TORCH_CPU_AVX2: dict[str, str] = {
     'LSTM layer': 'float32 input: error, low input: low',
 }

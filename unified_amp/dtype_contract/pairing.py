@@ -242,10 +242,10 @@ MEGENGINE_CALLS: dict[str, str] = {
 
 # torch spellings that code compiled by torch.compile gives torch's own CPU autocast rule
 # for a low-precision input on the CPU, where eager code gets the row's (the rows' first
-# spellings keep the row compiled, but the two padding rows: ``Row.compiled``). The
+# spellings keep the row compiled, but the two padding rows: ``Adapt.compiled``). The
 # builtins of torch._C._nn, called directly, are put in dynamo's graph without
 # consulting any function mode; F.upsample and its two kin are Python functions dynamo
-# inlines down to those builtins (as F.pad: ``Row.compiled``). Measured on torch 2.13 by
+# inlines down to those builtins (as F.pad: ``Adapt.compiled``). Measured on torch 2.13 by
 # tests/native/test_torch_compiled_dtype_table.py; eager code keeps the rows for all.
 _BUILTIN = "a torch._C._nn builtin called directly: dynamo consults no function mode for it"
 _INLINED = "dynamo inlines it down to torch._C._nn's builtins and consults no function mode"

@@ -85,52 +85,97 @@ SAMPLES: dict[str, tuple[tuple[int, ...], str, str]] = {
 }
 
 
-@dataclass(frozen=True)
-class Row:
-    """One op class of the contract.
-
-    ``aten``: the torch dispatcher ops it groups (each AutocastCPU/AutocastCUDA
-    registration lands in one row). ``torch`` / ``megengine``: the Python spellings that
-    reach it ("F." is each framework's functional namespace, "Tensor." its tensor
-    class), empty where the framework lacks the op. ``torch_call`` / ``megengine_call``:
-    a sample call over ``SAMPLES`` whose output dtype the tests check (None: absent).
+@dataclass(frozen=True, kw_only=True)
+class Adapt:
+    """What an adapter must do to keep a row's contract where its framework's own
+    autocast does not: read by ``backends/*/dtype_contract.py`` (and by the tests that
+    check the adapters act exactly there).
 
     ``torch_cpu`` / ``megengine_native``: what ``torch.autocast("cpu")`` and
     ``megengine.amp.autocast`` give the row by themselves (as measured on the versions
     of ``TABLE_TORCH`` and ``TABLE_MEGENGINE``), written as a rule name when it is the
-    row's rule; empty means "the row's rule". An adapter acts on a row exactly where its
-    framework's own autocast differs from the rule, or where ``float32_compute`` names
-    its place.
+    row's rule; empty means "the row's rule". They live here, not on the contract,
+    because they are not a promise but the frameworks' measured behaviour an adapter
+    works against: an adapter acts on a row exactly where its framework's own autocast
+    differs from the rule, or where ``float32_compute`` names its place. They are kept
+    in ``natives.py`` (``TORCH_CPU``, ``MEGENGINE``) and filled in by ``ROWS``, as they
+    change with the framework's version and the rows do not.
 
     ``float32_compute``: places where the adapter computes the op in float32 and returns
     the rule's dtype, because the framework has no (working) low-precision kernel
-    there: "torch-cpu", "torch-cpu-float16", "megengine", "megengine-cpu". ``reason``
-    says why, and why a native differs. ``cuda_low``: False where torch's CUDA kernels
-    take no low-precision input (torch raises there, with autocast or without), so the
-    CUDA cell is checked with a float32 input only. ``refuse_low``: such a row whose
-    every spelling fake CUDA shows torch refusing a low-precision input on CUDA: the
-    contract refuses one on every device and backend, one outcome everywhere (the
-    adapters raise ``low_refusal``'s error, which names the fix, cast to float32; CUDA's
-    is torch's own), which keeps CUDA free of any Python call. ``fake_cuda``: why fake CUDA
-    (FakeTensorMode) cannot run the sample call, where it cannot. ``fuzz``: whether the
-    autocast fuzz draws the row. ``mixed``: also checked with mixed float32/low inputs
-    (always for "promote" rows). ``no_bfloat16``: the op's output is complex, and no
-    complex bfloat16 dtype exists: a bfloat16 input raises everywhere, as it does on
-    torch's CUDA. ``megengine_absent``: the names checked absent from MegEngine where
-    the row has no MegEngine call (default: the torch spellings' own names).
-    ``megengine_when``: "name=value", where one MegEngine function serves two rows: the
-    call is this row's when its argument ``name`` is ``value``. ``wrapped``: places
-    where the framework's own autocast gives the row's dtype but wrong values, so the
-    adapter runs the op itself there ("megengine": casting the inputs and running it
-    with MegEngine's autocast off). ``follows_first``: an "input" row whose output
-    follows its first tensor (the data) alone, not the widest of its inputs (batch
-    norm's float32 statistics and weights leave a float16 input's output float16).
-    ``compiled``: where code compiled by ``torch.compile`` keeps torch's own rule
-    instead, and why. ``torch_since``: the first torch ("2.14") that has the row's ops
-    and spellings, where that is later than the oldest torch supported; on an earlier
-    torch the row's op is absent (the tests check that it is, as they check MegEngine's
-    absent ops), and its Autocast registrations are recorded in
-    ``natives.LATER_REGISTRATIONS``, as the first torch that has it registers them.
+    there: "torch-cpu", "torch-cpu-float16", "megengine", "megengine-cpu". ``Row.reason``
+    says why, and why a native differs. ``wrapped``: places where the framework's own
+    autocast gives the row's dtype but wrong values, so the adapter runs the op itself
+    there ("megengine": casting the inputs and running it with MegEngine's autocast
+    off). ``follows_first``: an "input" row whose output follows its first tensor (the
+    data) alone, not the widest of its inputs (batch norm's float32 statistics and
+    weights leave a float16 input's output float16). ``megengine_when``: "name=value",
+    where one MegEngine function serves two rows: the call is this row's when its
+    argument ``name`` is ``value``. ``compiled``: where code compiled by
+    ``torch.compile`` keeps torch's own rule instead, and why.
+    """
+
+    float32_compute: tuple[str, ...] = ()
+    wrapped: tuple[str, ...] = ()
+    follows_first: bool = False
+    megengine_when: str = ""
+    compiled: str = ""
+    torch_cpu: str = ""
+    megengine_native: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """What the tests feed a row, and where they cannot.
+
+    ``torch`` / ``megengine``: a sample call over ``SAMPLES`` whose output dtype the
+    tests check (None: the framework lacks the op); ``getattr(sample, framework)``
+    mirrors ``getattr(row, framework)``, the spellings. ``cuda_low``: False where
+    torch's CUDA kernels take no low-precision input (torch raises there, with autocast
+    or without), so the CUDA cell is checked with a float32 input only.
+    ``fake_cuda``: why fake CUDA (FakeTensorMode) cannot run the sample call, where it
+    cannot. ``fuzz``: whether the autocast fuzz draws the row. ``mixed``: also checked
+    with mixed float32/low inputs (always for "promote" rows: ``Row.kinds``).
+    ``no_bfloat16``: the op's output is complex, and no complex bfloat16 dtype exists:
+    a bfloat16 input raises everywhere, as it does on torch's CUDA.
+    ``megengine_absent``: the names checked absent from MegEngine where the row has no
+    MegEngine call (default: the torch spellings' own names).
+    """
+
+    torch: str | None = None
+    megengine: str | None = None
+    cuda_low: bool = True
+    fake_cuda: str = ""
+    fuzz: bool = True
+    mixed: bool = False
+    no_bfloat16: bool = False
+    megengine_absent: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One op class of the contract: what it promises. What an adapter must do to keep
+    the promise is ``adapt`` (``Adapt``); what the tests feed it is ``sample``
+    (``Sample``), as torch keeps its autocast op lists apart from the kernels that
+    apply them.
+
+    ``aten``: the torch dispatcher ops it groups (each AutocastCPU/AutocastCUDA
+    registration lands in one row). ``torch`` / ``megengine``: the Python spellings that
+    reach it ("F." is each framework's functional namespace, "Tensor." its tensor
+    class), empty where the framework lacks the op. ``reason``: why an adapter acts on
+    the row (``Adapt``), and why a native differs.
+
+    ``refuse_low``: a row with no low-precision kernel on torch's CUDA
+    (``Sample.cuda_low`` False) whose every spelling fake CUDA shows torch refusing a
+    low-precision input on CUDA: the contract refuses one on every device and backend,
+    one outcome everywhere (the adapters raise ``low_refusal``'s error, which names the
+    fix, cast to float32; CUDA's is torch's own), which keeps CUDA free of any Python
+    call. It is part of the promise (an error, not a dtype), so it is kept here.
+    ``torch_since``: the first torch ("2.14") that has the row's ops and spellings,
+    where that is later than the oldest torch supported; on an earlier torch the row's
+    op is absent (the tests check that it is, as they check MegEngine's absent ops), and
+    its Autocast registrations are recorded in ``natives.LATER_REGISTRATIONS``, as the
+    first torch that has it registers them.
     """
 
     name: str
@@ -138,34 +183,21 @@ class Row:
     rule: str
     aten: tuple[str, ...] = ()
     torch: tuple[str, ...] = ()
-    torch_call: str | None = None
     megengine: tuple[str, ...] = ()
-    megengine_call: str | None = None
-    torch_cpu: str = ""
-    megengine_native: str = ""
-    float32_compute: tuple[str, ...] = ()
     reason: str = ""
-    cuda_low: bool = True
     refuse_low: bool = False
-    fake_cuda: str = ""
-    fuzz: bool = True
-    mixed: bool = False
-    megengine_absent: tuple[str, ...] = ()
-    no_bfloat16: bool = False
-    megengine_when: str = ""
-    wrapped: tuple[str, ...] = ()
-    follows_first: bool = False
-    compiled: str = ""
     torch_since: str = ""
+    adapt: Adapt = Adapt()
+    sample: Sample = Sample()
 
     def kinds(self) -> tuple[str, ...]:
         """The input kinds the tests check this row with."""
-        return ("float32", "low", "mixed") if self.mixed or self.rule == "promote" \
+        return ("float32", "low", "mixed") if self.sample.mixed or self.rule == "promote" \
             else ("float32", "low")
 
     def native(self, framework: str) -> str:
         """What ``framework``'s own autocast ("torch-cpu", "megengine") gives the row."""
-        own = self.torch_cpu if framework == "torch-cpu" else self.megengine_native
+        own = self.adapt.torch_cpu if framework == "torch-cpu" else self.adapt.megengine_native
         return own or self.rule
 
     def on_torch(self, version: str) -> bool:
@@ -186,13 +218,3 @@ def release(version: str) -> tuple[int, ...]:
             break
     return tuple(parts)
 
-
-def make_row(name: str, group: str, rule: str, aten: str = "", torch: str = "",
-       torch_call: str | None = None, megengine: str = "",
-       megengine_call: str | None = None, *, float32_compute: str = "",
-       megengine_absent: str = "", wrapped: str = "", **kw: object) -> Row:
-    return Row(name, group, rule, tuple(aten.split()), tuple(torch.split()), torch_call,
-               tuple(megengine.split()), megengine_call,
-               float32_compute=tuple(float32_compute.split()),
-               megengine_absent=tuple(megengine_absent.split()),
-               wrapped=tuple(wrapped.split()), **kw)  # type: ignore[arg-type]
