@@ -29,11 +29,17 @@ def _run(layer, x, dtype, backend):
             out = layer(inp)[0]
         return out, out.float().square().sum()
 
-    fn = step if backend == "eager" else torch.compile(step, backend=backend)
-    layer.zero_grad()
-    out, loss = fn(x)
-    loss.backward()
-    return out, [p.grad.clone() for p in layer.parameters()]
+    if backend != "eager":
+        torch._dynamo.reset()
+    try:
+        fn = step if backend == "eager" else torch.compile(step, backend=backend)
+        layer.zero_grad()
+        out, loss = fn(x)
+        loss.backward()
+        return out, [p.grad.clone() for p in layer.parameters()]
+    finally:
+        if backend != "eager":
+            torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -46,11 +52,7 @@ def test_a_compiled_recurrent_layer_equals_it_eagerly(name, kind, dtype):
     if kind == "low":
         x = x.to(getattr(torch, dtype))
     want, want_grads = _run(layer, x, dtype, "eager")
-    torch._dynamo.reset()
-    try:
-        got, grads = _run(layer, x, dtype, "aot_eager")
-    finally:
-        torch._dynamo.reset()
+    got, grads = _run(layer, x, dtype, "aot_eager")
     assert want.dtype == got.dtype == getattr(torch, dtype)
     assert torch.equal(got, want)
     assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
@@ -64,11 +66,7 @@ def test_an_lstm_compiled_by_inductor_gives_the_contracts_dtype_and_eagers_value
     layer = torch.nn.LSTM(8, 8, batch_first=True)
     x = torch.randn(2, 3, 8).to(getattr(torch, dtype))
     want, want_grads = _run(layer, x, dtype, "eager")
-    torch._dynamo.reset()
-    try:
-        got, grads = _run(layer, x, dtype, "inductor")
-    finally:
-        torch._dynamo.reset()
+    got, grads = _run(layer, x, dtype, "inductor")
     assert got.dtype == want.dtype == getattr(torch, dtype)
     tol = {"float16": 2e-3, "bfloat16": 2e-2}[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
