@@ -250,7 +250,7 @@ MEGENGINE_CALLS: dict[str, str] = {
 _BUILTIN = "a torch._C._nn builtin called directly: dynamo consults no function mode for it"
 _INLINED = "dynamo inlines it down to torch._C._nn's builtins and consults no function mode"
 _NO_KERNEL = (_BUILTIN + "; torch's CPU has no bfloat16 kernel for it, so compiled it raises"
-              " on a bfloat16 input (NotImplementedError)")
+              " on a bfloat16 input (NotImplementedError; on torch 2.7 a RuntimeError)")
 COMPILED_OWN: dict[str, str] = {
     **dict.fromkeys("""
         torch._C._nn.adaptive_avg_pool3d torch._C._nn.adaptive_max_pool3d
