@@ -147,15 +147,19 @@ def test_gradients_keep_their_inputs_dtypes(kit, device, name):
     call = call_of(r, kit.name)
     if call is None:
         return
-    inp = inputs()
-    if refused(r, device):  # a float16 input is refused (test_output_dtype): float32 data
-        wrong = {n: g for n, g in _gradient_dtypes(kit, device, call, inp, "float32").items()
-                 if g not in (None, "float32")}
-        assert not wrong, (name, wrong)
-        return
+    # a float16 input is refused (test_output_dtype): float32 data
+    kind = "float32" if refused(r, device) else "low"
+    wrong = {n: g for n, (want, g) in _gradient_dtypes(kit, device, call, inputs(), kind).items()
+             if g not in (None, want)}
+    assert not wrong, (name, wrong)
+
+
+def _gradient_dtypes(kit, device, call, inp, kind):
+    """Each trained input of ``call`` (``kind`` data, float32 weights) -> (its dtype, its
+    gradient's dtype) after a backward pass under the contract in float16."""
     with kit.on_device(device):
         scope, leaves = dict(kit.call_scope()), {}
-        for n, dtype in dtypes(call, "low", "float16").items():
+        for n, dtype in dtypes(call, kind, "float16").items():
             if dtype == "int":
                 scope[n] = kit.labels(inp[n], device)
             elif n in NOT_TRAINED:
@@ -164,24 +168,7 @@ def test_gradients_keep_their_inputs_dtypes(kit, device, name):
                 scope[n] = leaves[n] = kit.param(inp[n], device, dtype)
         grads = kit.grads_of(lambda: eval(call, scope), list(leaves.values()),  # noqa: S307
                              lambda: amp.autocast(dtype="float16", device=device))
-    wrong = {n: g for n, (t, g) in zip(leaves, zip(leaves.values(), grads))
-             if g is not None and g != kit.dtype_name(t)}
-    assert not wrong, (name, wrong)
-
-
-def _gradient_dtypes(kit, device, call, inp, data_dtype):
-    with kit.on_device(device):
-        scope, leaves = dict(kit.call_scope()), {}
-        for n, dtype in dtypes(call, "float32", "float16").items():
-            if dtype == "int":
-                scope[n] = kit.labels(inp[n], device)
-            elif n in NOT_TRAINED:
-                scope[n] = kit.tensor(inp[n], device, data_dtype)
-            else:
-                scope[n] = leaves[n] = kit.param(inp[n], device, data_dtype)
-        grads = kit.grads_of(lambda: eval(call, scope), list(leaves.values()),  # noqa: S307
-                             lambda: amp.autocast(dtype="float16", device=device))
-    return dict(zip(leaves, grads))
+    return {n: (kit.dtype_name(t), g) for (n, t), g in zip(leaves.items(), grads)}
 
 
 @pytest.mark.parametrize("low", LOWS)
