@@ -160,11 +160,10 @@ def test_adapters_read_no_private_member_of_the_core_scaler():
 
 
 # Modules named for one framework's own machinery, which the other has no counterpart of.
-# What only one framework needs: dynamo is torch's compiler; MegEngine's contract lives in
-# wrappers that must be swapped into every binding the process holds (bindings.py),
-# where torch's function mode sees each call whatever name reached it
-# (tests/contract/test_early_bindings.py proves both).
-FRAMEWORK_OWN = {"autocast_dynamo", "bindings"}
+# What only one framework needs: dynamo is torch's compiler. (The swapping of wrappers
+# into every binding, which MegEngine's contract and both adapters' rules for a
+# program's own functions need, is the core's: unified_amp/_rebinding.py.)
+FRAMEWORK_OWN = {"autocast_dynamo"}
 
 
 def test_every_adapter_package_has_the_same_module_names():

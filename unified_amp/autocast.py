@@ -6,6 +6,7 @@ import functools
 import inspect
 from typing import Any, Callable, TypeVar, cast, overload
 
+from . import _rules
 from .interface import LOW_PRECISION
 from ._registry import get_backend, ready_backend
 
@@ -26,15 +27,15 @@ _SPELLINGS = ", ".join(map(repr, _ALIASES))
 # traced line by line); the signatures are also what inspect.signature(autocast) shows.
 def _unified_form(enabled: bool = True, dtype: Any = None, *, device: Any = None,
                   contract: bool = True, low_prec_dtype: Any = None,
-                  high_prec_dtype: Any = "float32", cache_enabled: bool | None = None
-                  ) -> tuple[bool, Any, Any, bool, Any, Any]:
-    return enabled, dtype, device, contract, low_prec_dtype, high_prec_dtype
+                  high_prec_dtype: Any = "float32", cache_enabled: bool | None = None,
+                  rules: Any = None) -> tuple[bool, Any, Any, bool, Any, Any, Any]:
+    return enabled, dtype, device, contract, low_prec_dtype, high_prec_dtype, rules
 
 
 def _torch_form(device_type: str, dtype: Any = None, enabled: bool = True,
-                cache_enabled: bool | None = None, *, contract: bool = True
-                ) -> tuple[bool, Any, Any, bool, Any, Any]:
-    return enabled, dtype, device_type, contract, None, "float32"
+                cache_enabled: bool | None = None, *, contract: bool = True,
+                rules: Any = None) -> tuple[bool, Any, Any, bool, Any, Any, Any]:
+    return enabled, dtype, device_type, contract, None, "float32", rules
 
 
 _UNIFIED_SIG = inspect.signature(_unified_form).replace(return_annotation=inspect.Signature.empty)
@@ -117,14 +118,14 @@ def _normalize_device(device: Any) -> str | None:
     return kind  # type: ignore[return-value]
 
 
-def _bind(args: tuple, kwargs: dict) -> tuple[bool, Any, Any, bool, Any, Any]:
+def _bind(args: tuple, kwargs: dict) -> tuple[bool, Any, Any, bool, Any, Any, Any]:
     torch_form = (bool(args) and isinstance(args[0], str)) or "device_type" in kwargs
     try:
         return (_torch_form if torch_form else _unified_form)(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(
             f"autocast(): {exc}. Its call forms: autocast(enabled=True, dtype=None, *,"
-            f" device=None, contract=True), torch's autocast(device_type, dtype=None,"
+            f" device=None, contract=True, rules=None), torch's autocast(device_type, dtype=None,"
             f" enabled=True, cache_enabled=None) and megengine.amp's"
             f" autocast(enabled=True, low_prec_dtype=..., high_prec_dtype='float32')."
         ) from None
@@ -153,9 +154,16 @@ class autocast:
             framework's own autocast op lists unchanged, so that a loop that also
             swapped ``torch.autocast``/``megengine.amp.autocast`` for this one
             reproduces a native run bit for bit.
+        rules: this block's own rules over the contract's, ``{op: kind}``: the op a
+            row name (``"softmax"``), a framework function, a ``torch.library``
+            custom op or a function of yours; the kind one of "low", "float32",
+            "promote", "input", "refuse". Nested blocks merge them, the inner block
+            winning (docs/API.md, "Your own rules").
 
     Raises:
-        ValueError: a dtype or device that is not one of the above (on construction).
+        ValueError: a dtype, device or rule kind that is not one of the above, or
+            rules with ``contract=False`` (on construction).
+        TypeError: a rule whose key is no op (on construction).
         UnsupportedPrecisionError: on entering the block, if the framework cannot
             compute ``dtype`` on that device (e.g. bfloat16 on MegEngine's CPU build).
     """
@@ -166,12 +174,13 @@ class autocast:
     @overload
     def __new__(cls, enabled: bool = True, dtype: Any = None, *, device: Any = None,
                 contract: bool = True, low_prec_dtype: Any = None,
-                high_prec_dtype: Any = "float32", cache_enabled: bool | None = None
-                ) -> "autocast": ...
+                high_prec_dtype: Any = "float32", cache_enabled: bool | None = None,
+                rules: Any = None) -> "autocast": ...
 
     @overload
     def __new__(cls, device_type: str, dtype: Any = None, enabled: bool = True,
-                cache_enabled: bool | None = None, *, contract: bool = True) -> "autocast": ...
+                cache_enabled: bool | None = None, *, contract: bool = True,
+                rules: Any = None) -> "autocast": ...
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "autocast":
         self = super().__new__(cls)
@@ -185,6 +194,9 @@ class autocast:
         backend = ready_backend()
         if backend is None:
             return self
+        if self.rules:
+            backend.prepare_rules(self.rules)
+            return self
         native = backend.native_autocast(self.enabled, self.dtype, self.device, self.contract)
         if native is None:
             return self
@@ -196,7 +208,8 @@ class autocast:
         pass  # __new__ did the work: it may return another object than this class's
 
     def _configure(self, *args: Any, **kwargs: Any) -> None:
-        enabled, dtype, device, contract, low_prec_dtype, high_prec_dtype = _bind(args, kwargs)
+        enabled, dtype, device, contract, low_prec_dtype, high_prec_dtype, rules = \
+            _bind(args, kwargs)
         if low_prec_dtype is not None:
             if dtype is not None:
                 raise TypeError(
@@ -217,13 +230,20 @@ class autocast:
         self.dtype = _normalize_dtype(dtype)
         self.device = _normalize_device(device)
         self.contract = contract
+        self.rules = _rules.check(rules)
+        if self.rules and not contract:
+            raise ValueError(
+                "autocast rules change the dtype contract's rules, and contract=False"
+                " runs the framework's own op lists, which no rule changes: drop"
+                " contract=False, or the rules.")
         self._tokens: list[Any] = []  # a stack, so one instance may be entered re-entrantly
 
     def __enter__(self) -> "autocast":
         backend = get_backend()
         if self.enabled:
             backend.check_precision(self.dtype, self.device)
-        token = backend.enter_autocast(self.enabled, self.dtype, self.device, self.contract)
+        token = backend.enter_autocast(self.enabled, self.dtype, self.device, self.contract,
+                                       self.rules)
         self._tokens.append((backend, token))
         return self
 
@@ -237,14 +257,16 @@ class autocast:
             # A twin made per call rather than `with self`: torch.compile traces only a
             # context manager made inside the function it compiles.
             with autocast(self.enabled, self.dtype, device=self.device,
-                          contract=self.contract):
+                          contract=self.contract, rules=dict(self.rules) or None):
                 return func(*args, **kwargs)
 
         return cast(_F, wrapper)
 
     def __repr__(self) -> str:
+        rules = ", rules={" + ", ".join(f"{_rules.describe(k)}: {v!r}" for k, v in self.rules) \
+            + "}" if self.rules else ""
         return (f"autocast(enabled={self.enabled}, dtype={self.dtype!r}, device={self.device!r},"
-                f" contract={self.contract})")
+                f" contract={self.contract}{rules})")
 
 
 def is_autocast_enabled() -> bool:

@@ -96,11 +96,17 @@ class Autocasting(Protocol):
         one ``torch.autocast``, so that a graph break splits there as in torch.autocast.
         """
 
+    def prepare_rules(self, rules: tuple[tuple[Any, str], ...]) -> None:
+        """Resolves a block's rules when it is made (raising on a key the framework
+        cannot call), where that can be done before the block is entered."""
+
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
-                       contract: bool = True) -> Any:
+                       contract: bool = True, rules: tuple[tuple[Any, str], ...] = ()
+                       ) -> Any:
         """Switches autocast on or off; returns a token that restores the outer state.
         ``contract`` False leaves the framework's own op lists unchanged (no dtype
-        contract inside this block)."""
+        contract inside this block). ``rules``: the block's own (key, kind) pairs, as
+        ``_rules.check`` gives them, merged over the enclosing block's."""
 
     def exit_autocast(self, token: Any) -> None:
         """Restores the state saved in ``token``."""

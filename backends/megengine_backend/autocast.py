@@ -40,8 +40,14 @@ class Autocasting(interface.Autocasting):
                         contract: bool) -> Any:
         return None  # megengine.jit.trace replays what the block does; it needs no stand-in
 
+    def prepare_rules(self, rules: tuple[tuple[Any, str], ...]) -> None:
+        if rules:
+            dtype_contract.install()
+            dtype_contract.resolve_rules(rules)
+
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
-                       contract: bool = True) -> Any:
+                       contract: bool = True, rules: tuple[tuple[Any, str], ...] = ()
+                       ) -> Any:
         state = None
         if contract:
             # an enabled block keeps the contract; a disabled one inside an enabled one
@@ -53,11 +59,23 @@ class Autocasting(interface.Autocasting):
             # swaps GradScaler (or runs contract=False) keeps MegEngine's functions
             # untouched.
             dtype_contract.install()
+        # the block's rules over the enclosing block's, in this thread; none where
+        # autocast is off or the contract is
+        own = dtype_contract.thread_rules
+        merged: dict[Any, str] = {}
+        if state == dtype_contract.CONTRACT:
+            merged = own.rules
+            if rules:
+                merged = {**own.rules, **dtype_contract.resolve_rules(rules)}
         saved = set_autocast(enabled, dtype or "float16")
         dtype_contract.policy_stack.append(state)
+        own.stack.append(own.rules)
+        own.rules = merged
         return saved
 
     def exit_autocast(self, token: Any) -> None:
+        own = dtype_contract.thread_rules
+        own.rules = own.stack.pop()
         dtype_contract.policy_stack.pop()
         restore_autocast(token)
 

@@ -6,7 +6,7 @@ functions (``amp._enabled``), where no hook reaches. So the adapter wraps the Py
 entry points of the rows where MegEngine's own autocast differs from the contract (or
 computes wrongly: its float16 pooling on the CPU), one generic wrapper per rule, set
 on ``megengine.Tensor`` for its methods and operators and swapped into every binding the
-process holds of the others (bindings.py: MegEngine's modules, and a program's
+process holds of the others (unified_amp/_rebinding.py: MegEngine's modules, and a program's
 ``from megengine.functional import softmax`` run before the first block). A wrapper
 is inert unless the innermost unified block asks for the contract, and runs the op with
 MegEngine's autocast off, as torch's Autocast kernels run theirs with autocast
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Any, Callable
 
 import megengine
@@ -38,10 +39,11 @@ from megengine.core._imperative_rt.core2 import (
 )
 from megengine.core.tensor import amp as _amp_state
 
+from unified_amp import _rules
 from unified_amp import dtype_contract as table
 
 from .basics import dtype_name, on_cpu
-from .bindings import Rebinder
+from unified_amp._rebinding import Rebinder
 
 # -- MegEngine's autocast state ---------------------------------------------------------------
 
@@ -79,6 +81,20 @@ policy_stack: list[str | None] = []
 
 def policy() -> str | None:
     return policy_stack[-1] if policy_stack else None
+
+
+class _ThreadRules(threading.local):
+    """The rules of the calling thread's innermost block (original function -> kind),
+    per thread: a block's rules are its own, while MegEngine's autocast is the process's."""
+
+    rules: dict[Any, str] = {}
+    stack: list[dict[Any, str]]
+
+    def __init__(self) -> None:
+        self.stack = []
+
+
+thread_rules = _ThreadRules()
 
 
 # -- the wrappers ---------------------------------------------------------------------------------
@@ -244,6 +260,10 @@ def _wrapper(fn: Callable, entries: list[tuple[str, str, table.Row]],
             # result kept in the receiver, in the receiver's dtype
             operator = getattr(type(args[0]), name.replace("__i", "__", 1))
             return _in_place(operator(*args, **kwargs), args[0])
+        if state == CONTRACT and thread_rules.rules and _amp_state._enabled:
+            kind = thread_rules.rules.get(fn)
+            if kind is not None:
+                return apply_rule(kind, fn, args, kwargs, name or fn.__name__)
         row = _which(entries, fn, args, kwargs)
         if state == CONTRACT:
             if not _amp_state._enabled or not handled(row):
@@ -294,7 +314,7 @@ _rebinder: Rebinder | None = None
 
 def install() -> None:
     """Wraps the contract's MegEngine functions, once, wherever the process holds them
-    (bindings.py: MegEngine's modules, ``megengine.Tensor``, and what the program bound
+    (unified_amp/_rebinding.py: MegEngine's modules, ``megengine.Tensor``, and what the program bound
     before, such as ``from megengine.functional import softmax``); at a later outermost
     block, swaps them into the modules imported since."""
     global _rebinder
@@ -326,3 +346,108 @@ def module_functions() -> list[tuple[str, Callable]]:
         return []
     return [(name, w) for name, w in _rebinder.wrappers()
             if not name.startswith("megengine.Tensor.")]
+
+
+# -- a block's own rules (amp.autocast(rules=...)) --------------------------------------------
+
+def apply_rule(kind: str, fn: Callable, args: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """``fn`` called as a block's rule of ``kind`` says (_rules.MEANING): the floating
+    inputs cast, the op run with MegEngine's autocast off, its floating outputs in the
+    rule's dtype (MegEngine's reductions hand a float16 input's mean back in float32)."""
+    floating = [t for t in _tensors(args, kwargs) if _floating(t)]
+    if not floating:
+        return fn(*args, **kwargs)
+    if kind == "refuse":
+        raise RuntimeError(_rules.refusal(name))
+    if kind == "low":
+        to = dtype_name(_get_amp_low_prec_dtype()) or "float16"
+    elif kind == "float32":
+        to = "float32"
+    elif kind == "promote":
+        to = _widest({_name(t) for t in floating})
+    else:  # "input"
+        to = _name(floating[0])
+    args, kwargs = _cast(args, kwargs, to)
+    return _returned_as(_without_autocast(fn, args, kwargs), to)
+
+
+def _ruled(fn: Callable, name: str) -> Callable:
+    """A function no row wraps, as a block's rule sees it."""
+
+    @functools.wraps(fn)
+    def ruled(*args: Any, **kwargs: Any) -> Any:
+        if policy() == CONTRACT and thread_rules.rules and _amp_state._enabled:
+            kind = thread_rules.rules.get(fn)
+            if kind is not None:
+                return apply_rule(kind, fn, args, kwargs, name)
+        return fn(*args, **kwargs)
+
+    ruled.__unified_amp_wraps__ = fn  # type: ignore[attr-defined]
+    return ruled
+
+
+# Process-wide, as the bindings they are swapped into: the functions a rule has named
+# that no row wraps, each with its wrapper.
+_rule_wrappers: dict[Any, Callable] = {}
+
+
+def _row_functions() -> dict[int, tuple[Any, table.Row]]:
+    """id(original) -> (original, the row it spells), for MegEngine's spellings."""
+    out: dict[int, tuple[Any, table.Row]] = {}
+    for row in table.ROWS:
+        for spelling in row.megengine:
+            fn = _original(resolve(spelling)[2])
+            if fn is not None:
+                out.setdefault(id(fn), (fn, row))
+    return out
+
+
+def _original(fn: Any) -> Any:
+    return getattr(fn, "__unified_amp_wraps__", fn)
+
+
+_ROW_OF: dict[int, tuple[Any, table.Row]] = {}
+
+
+def _targets(key: Any) -> list[tuple[Any, str, Any]]:
+    """(owner or None, name, original) of each MegEngine callable a rule's key names."""
+    if isinstance(key, str):
+        out = []
+        for spelling in table.row(key).megengine:
+            owner, name, fn = resolve(spelling)
+            if fn is not None:
+                out.append((owner, name, _original(fn)))
+        return out
+    if _rules.foreign(key, "megengine"):
+        raise _rules.foreign_error(key, "megengine")
+    key = _original(key)
+    if not _ROW_OF:
+        _ROW_OF.update(_row_functions())
+    found = _ROW_OF.get(id(key))
+    if found is not None and found[0] is key:
+        return _targets(found[1].name)
+    name = getattr(key, "__name__", "")
+    owner = megengine.Tensor if _original(getattr(megengine.Tensor, name, None)) is key \
+        else None
+    return [(owner, name, key)]
+
+
+def resolve_rules(rules: tuple[tuple[Any, str], ...]) -> dict[Any, str]:
+    """A block's rules as original function -> kind, each function given a wrapper
+    that sees it (a row's, or one of its own, swapped into the process's bindings)."""
+    out: dict[Any, str] = {}
+    fresh = []
+    wrapped = {id(_original(w)) for _, w in (_rebinder.wrappers() if _rebinder else [])}
+    for key, kind in rules:
+        for owner, name, fn in _targets(key):
+            out[fn] = kind
+            if id(fn) in wrapped or fn in _rule_wrappers:
+                continue
+            wrapper = _ruled(fn, _rules.describe(fn))
+            _rule_wrappers[fn] = wrapper
+            if isinstance(owner, type):
+                setattr(owner, name, wrapper)
+            fresh.append((fn, wrapper, _rules.describe(fn)))
+    if fresh:
+        Rebinder(fresh, shadowing=(megengine.Tensor,), keeps=None).everywhere()
+    return out

@@ -46,7 +46,8 @@ from unified_amp.errors import CompileWarning, UnsupportedPrecisionError
 from . import autocast_dynamo
 from .autocast_dynamo import never_a_frame_of_its_own
 from .basics import DTYPES, default_dtype, devices
-from .dtype_contract import CONTRACT, MODE_DEVICES, PROMOTE, ContractMode, PromoteMode
+from .dtype_contract import (CONTRACT, MODE_DEVICES, PROMOTE, RulesMode, rules_mode,
+                             rules_mode_name, top_mode)
 
 
 @torch.compiler.assume_constant_result
@@ -62,14 +63,8 @@ def _cuda_lacking_bfloat16() -> str:
     return "" if torch.cuda.is_bf16_supported() else torch.cuda.get_device_name()
 
 
-def _top_mode() -> Any:
-    """The contract's mode on top of torch's function-mode stack, or None."""
-    n = torch._C._len_torch_function_stack()
-    top = torch._C._get_function_stack_at(n - 1) if n > 0 else None
-    return top if isinstance(top, (ContractMode, PromoteMode)) else None
-
-
-def _contract_action(enabled: bool, contract: bool, devs: list[str]) -> Any:
+def _contract_action(enabled: bool, contract: bool, devs: list[str],
+                     rules: tuple[tuple[Any, str], ...] = ()) -> Any:
     """What a block does to the mode stack: None, or (the mode it takes off the top, the
     mode it puts there), either None.
 
@@ -77,11 +72,17 @@ def _contract_action(enabled: bool, contract: bool, devs: list[str]) -> Any:
     needs it (none on CUDA: torch's CUDA policy is the contract); an enabled block
     without the contract takes ours off; a disabled block with the contract inside an
     enabled one puts PromoteMode on top. Otherwise the stack stays as it is, and so
-    does what the enclosing block put there."""
-    top = _top_mode()
+    does what the enclosing block put there. A block with rules, or inside one, puts
+    the RulesMode of its rules merged over the enclosing block's, on every device (a
+    rule is the block's: CUDA's kernels do not know it)."""
+    top = top_mode()
     want: Any
     if not contract:
         want = None
+    elif enabled and rules:
+        want = rules_mode(top, rules)
+    elif enabled and isinstance(top, RulesMode):
+        want = top
     elif enabled:
         # an enclosing block's ContractMode stays for the devices this one leaves on
         want = CONTRACT if any(dev in MODE_DEVICES for dev in devs) or top is CONTRACT \
@@ -402,11 +403,17 @@ class Autocasting(interface.Autocasting):
         return torch.autocast(devs[0], dtype=DTYPES[dtype or default_dtype(devs[0])],
                               enabled=enabled)
 
+    def prepare_rules(self, rules: tuple[tuple[Any, str], ...]) -> None:
+        if rules and not torch.compiler.is_compiling():
+            flat = [item for pair in rules for item in pair]
+            rules_mode_name("", *flat)  # resolved, and own functions' wrappers swapped in
+
     def enter_autocast(self, enabled: bool, dtype: str | None, device: str | None,
-                       contract: bool = True) -> Any:
+                       contract: bool = True, rules: tuple[tuple[Any, str], ...] = ()
+                       ) -> Any:
         devs = devices(device, enabled)
         dtypes = [DTYPES[dtype or default_dtype(dev)] for dev in devs]
-        action = _contract_action(enabled, contract, devs)
+        action = _contract_action(enabled, contract, devs, rules)
         if torch.compiler.is_compiling():
             autocast_dynamo.release_dead_guards()
             if _block_is_its_own_frame():

@@ -24,13 +24,17 @@ torch's "expected the same dtype" error.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from unified_amp import _rules
 from unified_amp import dtype_contract as table
+from unified_amp._rebinding import Rebinder
 
 LOW = (torch.float16, torch.bfloat16)
 _ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)  # what autocast casts
@@ -306,6 +310,8 @@ class ContractMode(TorchFunctionMode):
     torch's Autocast key would.
     """
 
+    RULES: dict[Any, str] = {}  # a block's own rules: RulesMode's
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if kwargs is None:
@@ -330,6 +336,8 @@ class PromoteMode(TorchFunctionMode):
     """Mixed floating inputs of the contract's ops cast to the widest of them, inside
     an ``amp.autocast(enabled=False)`` block that sits in an enabled one."""
 
+    RULES: dict[Any, str] = {}  # autocast is off: no rule of a block applies
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if kwargs is None:
@@ -348,6 +356,165 @@ class PromoteMode(TorchFunctionMode):
 # the modes keep no state.
 CONTRACT = ContractMode()
 PROMOTE = PromoteMode()
+
+
+def top_mode() -> Any:
+    """The contract's mode on top of torch's function-mode stack, or None."""
+    n = torch._C._len_torch_function_stack()
+    top = torch._C._get_function_stack_at(n - 1) if n > 0 else None
+    return top if isinstance(top, (ContractMode, PromoteMode)) else None
+
+
+# -- a block's own rules (amp.autocast(rules=...)) -------------------------------------------
+
+_RULE_DEVICES = frozenset(_KEYS)
+
+
+def apply_rule(kind: str, func: Any, args: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """``func`` called as a block's rule of ``kind`` says, where autocast is on for its
+    tensors' device (CPU or CUDA alike: a rule is the block's, not a device's): the
+    floating inputs cast (_rules.MEANING), the op run with that device's autocast off,
+    as torch's Autocast kernels run theirs, and its floating outputs in the rule's dtype."""
+    dev = _autocast_device(args, kwargs, _RULE_DEVICES)
+    if dev is None:
+        return func(*args, **kwargs)
+    if kind == "refuse":
+        raise RuntimeError(_rules.refusal(name))
+    to: torch.dtype | None
+    if kind == "low":
+        to = torch.get_autocast_dtype(dev)
+    elif kind == "float32":
+        to = torch.float32
+    elif kind == "promote":
+        dtypes = _floating_dtypes(args, kwargs, dev)
+        to = _widest(dtypes) if dtypes else None
+    else:  # "input"
+        to = _first_eligible(args, kwargs)
+    if to is not None:
+        args, kwargs = _cast(args, kwargs, dev, to)
+    with _autocast_off(dev):
+        out = func(*args, **kwargs)
+    return out if to is None else _returned_as(out, to, name)
+
+
+class RulesMode(ContractMode):
+    """ContractMode with a block's own rules over the rows: one subclass per set of
+    rules (``RULES``: torch callable -> kind), so that the mode stack's types, which
+    dynamo guards, tell one set from another, and a graph traced under one set is
+    never served under another."""
+
+    NAME = ""  # its attribute of _Modes
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        kind = self.RULES.get(func)
+        if kind is not None:
+            return apply_rule(kind, func, args, kwargs, getattr(func, "__name__", str(func)))
+        handle = HANDLERS.get(func)
+        if handle is None:
+            return func(*args, **kwargs)
+        return handle(func, args, kwargs)
+
+
+class _Modes:
+    """Every RulesMode made so far, one attribute each: what a block pushes is read
+    from here by a constant name, so that dynamo, which reads it too, guards on it."""
+
+
+# Process-wide, as dynamo's cache they key is: each set of rules is one immutable mode,
+# which any thread may push; a block's rules live on its thread's mode stack.
+_mode_names: dict[frozenset, str] = {}
+_own_wrappers: dict[Any, Callable] = {}
+_lock = threading.Lock()
+_ROW_OF = _spellings(table.ROWS)
+
+
+def _targets(key: Any) -> list[Any]:
+    """The torch callables a rule's key names: a row's spellings; a framework function
+    that spells a row, the row's; a custom op, its overloads (what torch's function
+    mode is called with); any other torch function, itself; a program's own Python
+    function, itself, once its wrapper is in the process's bindings."""
+    key = getattr(key, "__unified_amp_wraps__", key)
+    if isinstance(key, str):
+        return [fn for fn in map(resolve, table.row(key).torch) if fn is not None]
+    if _rules.foreign(key, "torch"):
+        raise _rules.foreign_error(key, "torch")
+    if isinstance(getattr(key, "_opoverload", None), torch._ops.OpOverload):
+        return [key._opoverload]  # torch.library.custom_op's CustomOpDef
+    if isinstance(key, torch._ops.OpOverloadPacket):
+        return [getattr(key, name) for name in key.overloads()]
+    row = _ROW_OF.get(key)
+    if row is not None:
+        return _targets(row.name)
+    if _rules.is_own_function(key) and key not in _own_wrappers:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"amp.autocast: this block's rules name {_rules.describe(key)}, a"
+                f" function of yours, for the first time inside torch.compile. Its"
+                f" calls are seen through a wrapper swapped into the names that hold"
+                f" it, which cannot happen while dynamo traces: make the"
+                f" amp.autocast(rules=...) object once outside the compiled function"
+                f" (it may be entered inside), or run one block with these rules"
+                f" eagerly first.")
+        wrapper = _ruled(key)
+        Rebinder([(key, wrapper, _rules.describe(key))], keeps=None).everywhere()
+        _own_wrappers[key] = wrapper
+    return [key]
+
+
+def _ruled(fn: Callable) -> Callable:
+    """A program's own function as a rule sees it: the rule of the mode on top of the
+    stack, if it has one for ``fn``; else ``fn`` as it is."""
+    name = _rules.describe(fn)
+
+    @functools.wraps(fn)
+    def ruled(*args: Any, **kwargs: Any) -> Any:
+        top = top_mode()
+        kind = top.RULES.get(fn) if top is not None else None
+        if kind is None:
+            return fn(*args, **kwargs)
+        return apply_rule(kind, fn, args, kwargs, name)
+
+    ruled.__unified_amp_wraps__ = fn  # type: ignore[attr-defined]
+    return ruled
+
+
+def rules_mode_name(outer: str, *flat: Any) -> str:
+    """The name in ``_Modes`` of the mode for the rules ``flat`` (key, kind, key, kind,
+    ...) over those of the mode named ``outer`` ("" for none), made on first use.
+
+    dynamo runs it as it is while it traces (marked below, as
+    torch.compiler.assume_constant_result marks): it makes classes, which no trace can."""
+    merged = dict(getattr(_Modes, outer).RULES) if outer else {}
+    for key, kind in zip(flat[::2], flat[1::2]):
+        for fn in _targets(key):
+            merged[fn] = kind
+    frozen = frozenset(merged.items())
+    with _lock:
+        name = _mode_names.get(frozen)
+        if name is None:
+            name = f"rules_{len(_mode_names)}"
+            mode_type = type(f"RulesMode_{len(_mode_names)}", (RulesMode,),
+                             {"RULES": merged, "NAME": name, "__module__": __name__})
+            setattr(_Modes, name, mode_type())
+            _mode_names[frozen] = name
+    return name
+
+
+rules_mode_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def rules_mode(top: Any, rules: tuple[tuple[Any, str], ...]) -> Any:
+    """The mode a block with ``rules`` pushes over the mode ``top`` (None, or the
+    enclosing block's): the enclosing block's rules merged with these, these winning."""
+    flat: list[Any] = []
+    for key, kind in rules:
+        flat.append(key)
+        flat.append(kind)
+    outer = top.NAME if isinstance(top, RulesMode) else ""
+    return getattr(_Modes, rules_mode_name(outer, *flat))
 
 
 

@@ -281,7 +281,10 @@ class FakeBackend(interface.Backend):
     def native_autocast(self, enabled, dtype, device, contract):
         return self.native_blocks.get((enabled, dtype, device, contract))
 
-    def enter_autocast(self, enabled, dtype, device, contract=True):
+    def prepare_rules(self, rules):
+        pass
+
+    def enter_autocast(self, enabled, dtype, device, contract=True, rules=()):
         self.autocast_state.append((enabled, dtype))
         return len(self.autocast_state) - 1
 

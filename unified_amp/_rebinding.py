@@ -1,23 +1,25 @@
-"""The contract's wrappers (dtype_contract.py) wherever the process holds the functions
-they wrap, so that ``from megengine.functional import softmax`` at the top of a module,
-run before the first block or before ``import unified_amp``, calls the wrapper as
-``F.softmax`` does.
+"""Wrappers wherever the process holds the functions they wrap, so that a function bound
+before the wrapper existed (``from megengine.functional import softmax`` at the top of a
+module, run before the first block or before ``import unified_amp``; a program's own
+``attention`` that a block's rules name) calls the wrapper as a fresh lookup would.
 
-MegEngine's autocast has no hook, so the contract lives in Python wrappers, and a
-wrapper runs only where a name holds it. When the wrappers are installed, every
-reference the process holds to an original is found in one pass over the objects the
-garbage collector tracks (``gc.get_referrers``, the tool code reloaders use for the same
-purpose) and swapped where it is a binding: an attribute of a module, a class or an
-object, a closure's cell, a function's default, a local variable of a function waiting
-on the first block's stack (README's ``train_step(model, loss_fn, ...)``). That is what
-the import would have bound had it run after the install. A reference held in the
-program's data -- a list, a tuple, a dict of its own, a ``functools.partial`` -- or in
-another thread's running function is left alone, and named once in an
-``amp.ContractWarning``.
+Where no framework hook sees a call (MegEngine's autocast has none; a Python function
+of the program's own is no framework op), a wrapper runs only where a name holds it.
+When wrappers are installed, every reference the process holds to an original is found
+in one pass over the objects the garbage collector tracks (``gc.get_referrers``, the
+tool code reloaders use for the same purpose) and swapped where it is a binding: an
+attribute of a module, a class or an object, a closure's cell, a function's default, a
+local variable of a function waiting on the calling thread's stack (README's
+``train_step(model, loss_fn, ...)``). That is what the import would have bound had it
+run after the install. A reference held in the program's data -- a list, a tuple, a
+dict of its own, a ``functools.partial`` -- or in another thread's running function is
+left alone, and named once in an ``amp.ContractWarning``.
 
 Modules imported later get the wrappers from the names they import; only a value copied
-out of such a holder can bring an original in. The next outermost block looks at the
-modules added to ``sys.modules`` since (when nothing was imported: a length check).
+out of such a holder can bring an original in. ``new_modules`` looks at the modules
+added to ``sys.modules`` since (when nothing was imported: a length check).
+
+Framework-free: the adapters hand it (original, wrapper, name) triples.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from typing import Any, Callable, Iterable
 
 from unified_amp.errors import ContractWarning
 
-# This package's files and the core's: their frames hold originals while they install.
-_OURS = tuple(os.path.dirname(os.path.abspath(m.__file__ or ""))
-              for m in (sys.modules[__name__.rpartition(".")[0]], sys.modules["unified_amp"]))
+# The core's files and the adapters': their frames hold originals while they install.
+_OURS = tuple(os.path.dirname(os.path.abspath(sys.modules[m].__file__ or ""))
+              for m in ("unified_amp", "unified_amp.backends"))
 
 
 def _attr(obj: Any, name: str) -> Any:
@@ -60,11 +62,15 @@ class Rebinder:
 
     ``shadowing``: classes whose attribute, already set to the wrapper, covers what a
     base class they inherit it from still holds (``megengine.Tensor`` over MegEngine's
-    C tensor type, which takes no attribute).
+    C tensor type, which takes no attribute). ``keeps``: what a call through an
+    original keeps inside a block, for the warning ("megengine.amp's own rule"); None
+    for no warning (a program's own function: the block's rules hold it, in tuples of
+    their own, and so may the program's data, by design).
     """
 
     def __init__(self, wrapped: list[tuple[Callable, Callable, str]],
-                 shadowing: tuple[type, ...] = ()) -> None:
+                 shadowing: tuple[type, ...] = (),
+                 keeps: str | None = "megengine.amp's own rule") -> None:
         """``wrapped``: (original, wrapper, the original's public name for the warning,
         ``megengine.functional.softmax``) each. The caller must not keep it: what holds
         an original is what the pass looks for."""
@@ -73,6 +79,7 @@ class Rebinder:
         self._wrapper = {id(fn): w for fn, w, _ in wrapped}
         self._name = {id(fn): name for fn, _, name in wrapped}
         self._shadowing = shadowing
+        self._keeps = keeps
         # what refers to an original because it is ours: these two, each wrapper's
         # closure (its ``fn``) and attributes (functools.wraps' ``__wrapped__``)
         self._ours = {id(self._originals), id(self._by_id)}
@@ -124,6 +131,8 @@ class Rebinder:
         """Every binding the process holds of an original, swapped; a holder that is no
         binding named in one ``ContractWarning`` each."""
         held = self._pass()
+        if self._keeps is None:
+            return self._note_modules()
         if held:
             # A holder may be garbage not yet collected (a cycle): collect, and look again.
             gc.collect()
@@ -134,12 +143,15 @@ class Rebinder:
                 f"amp.autocast: {', '.join(names)} {'is' if one else 'are'} held in"
                 f" {holder}, where unified_amp cannot replace {'it' if one else 'them'}"
                 f" with the dtype contract's function, so calls through"
-                f" {'it' if one else 'them'} keep megengine.amp's own rule inside"
+                f" {'it' if one else 'them'} keep {self._keeps} inside"
                 f" amp.autocast blocks (docs/DTYPE_CONTRACT.md, 'How it was imported')."
                 f" Look the function up where it is called ({names[0]}(...)), or {later}"
-                f" after the first amp.autocast block, when MegEngine's modules already"
-                f" hold the contract's function.",
+                f" after the first amp.autocast block that needs it, when the modules"
+                f" already hold unified_amp's function.",
                 ContractWarning, filename, lineno)
+        self._note_modules()
+
+    def _note_modules(self) -> None:
         # the pass swapped every module's bindings: the next look starts from here
         self._modules = len(sys.modules)
         for module in list(sys.modules.values()):
