@@ -162,7 +162,7 @@ def test_adapters_read_no_private_member_of_the_core_scaler():
 # Modules named for one framework's own machinery, which the other has no counterpart of.
 # What only one framework needs: dynamo is torch's compiler. (The swapping of wrappers
 # into every binding, which MegEngine's contract and both adapters' rules for a
-# program's own functions need, is the core's: unified_amp/_rebinding.py.)
+# program's own functions need, is the core's: unified_amp/rebinding.py.)
 FRAMEWORK_OWN = {"autocast_dynamo"}
 
 

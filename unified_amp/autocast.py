@@ -6,7 +6,7 @@ import functools
 import inspect
 from typing import Any, Callable, TypeVar, cast, overload
 
-from . import _rules
+from . import rules as _rules
 from .interface import LOW_PRECISION
 from ._registry import get_backend, ready_backend
 

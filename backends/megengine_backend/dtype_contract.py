@@ -6,7 +6,7 @@ functions (``amp._enabled``), where no hook reaches. So the adapter wraps the Py
 entry points of the rows where MegEngine's own autocast differs from the contract (or
 computes wrongly: its float16 pooling on the CPU), one generic wrapper per rule, set
 on ``megengine.Tensor`` for its methods and operators and swapped into every binding the
-process holds of the others (unified_amp/_rebinding.py: MegEngine's modules, and a program's
+process holds of the others (unified_amp/rebinding.py: MegEngine's modules, and a program's
 ``from megengine.functional import softmax`` run before the first block). A wrapper
 is inert unless the innermost unified block asks for the contract, and runs the op with
 MegEngine's autocast off, as torch's Autocast kernels run theirs with autocast
@@ -39,11 +39,11 @@ from megengine.core._imperative_rt.core2 import (
 )
 from megengine.core.tensor import amp as _amp_state
 
-from unified_amp import _rules
+from unified_amp import rules as _rules
 from unified_amp import dtype_contract as table
 
 from .basics import dtype_name, on_cpu
-from unified_amp._rebinding import Rebinder
+from unified_amp.rebinding import Rebinder
 
 # -- MegEngine's autocast state ---------------------------------------------------------------
 
@@ -314,7 +314,7 @@ _rebinder: Rebinder | None = None
 
 def install() -> None:
     """Wraps the contract's MegEngine functions, once, wherever the process holds them
-    (unified_amp/_rebinding.py: MegEngine's modules, ``megengine.Tensor``, and what the program bound
+    (unified_amp/rebinding.py: MegEngine's modules, ``megengine.Tensor``, and what the program bound
     before, such as ``from megengine.functional import softmax``); at a later outermost
     block, swaps them into the modules imported since."""
     global _rebinder

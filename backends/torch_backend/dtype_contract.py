@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from unified_amp import _rules
+from unified_amp import rules as _rules
 from unified_amp import dtype_contract as table
-from unified_amp._rebinding import Rebinder
+from unified_amp.rebinding import Rebinder
 
 LOW = (torch.float16, torch.bfloat16)
 _ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)  # what autocast casts
