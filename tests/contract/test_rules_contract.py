@@ -1,0 +1,171 @@
+"""A block's own rules (``amp.autocast(rules={op: kind})``), on each backend and device:
+generated over rule kind x sample op x key form (row, framework function, a function
+of the program's own) x low dtype x input kind, each cell's dtype and values checked;
+nesting, threads and the errors. torch's CUDA cells run on fake CUDA in every CI run
+(tests/native/test_torch_fake_cuda_rules.py), compiled ones in
+tests/native/test_torch_compiled_rules.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import unified_amp as amp
+
+from . import rules_table
+from .dtype_table import call_of, dtypes, inputs, row
+from .rules_table import KEY_FORMS, KINDS, SAMPLE_ROWS
+
+LOWS = ["float16", "bfloat16"]
+UNSUPPORTED = {("megengine", "cpu", "bfloat16")}  # as in test_dtype_table.py
+
+
+def _scope(kit, call, device, low, kind, inp, to=None):
+    """The call's tensors as ``kit.run_call`` makes them; ``to``: every floating one
+    then in that dtype (the reference: what the rule hands the op)."""
+    scope = dict(kit.call_scope())
+    for name, dtype in dtypes(call, kind, low).items():
+        if dtype == "int":
+            scope[name] = kit.labels(inp[name], device)
+            continue
+        t = kit.tensor(inp[name], device, dtype)
+        scope[name] = t if to is None else kit.tensor(kit.numpy(t).astype(np.float32), device, to)
+    return scope
+
+
+def _cast_out(kit, out, device, to):
+    return kit.tensor(kit.numpy(out).astype(np.float32), device, to) \
+        if kit.dtype_name(out) != to else out
+
+
+@pytest.mark.parametrize("low", LOWS)
+@pytest.mark.parametrize("form", KEY_FORMS)
+@pytest.mark.parametrize("name", SAMPLE_ROWS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rule_gives_its_dtype_and_the_ops_own_values(kit, device, kind, name, form, low):
+    """Inside ``amp.autocast(dtype=low, rules={op: kind})`` the op returns the rule's
+    dtype for every input kind, with the values of the op computed outside autocast
+    on its inputs in that dtype, bit for bit; "refuse" raises, naming the fix."""
+    if (kit.name, device, low) in UNSUPPORTED:
+        pytest.skip("MegEngine's CPU build computes no bfloat16 (docs/DTYPE_CONTRACT.md)")
+    call = call_of(row(name), kit.name)
+    key = rules_table.key_for(form, name, kit.name)
+    block = amp.autocast(dtype=low, device=device, rules={key: kind})
+    ran = rules_table.through_own(call) if form == "own" else call
+    inp = inputs()
+    for input_kind in rules_table.input_kinds(name):
+        want = rules_table.expected(kind, call, input_kind, low)
+        scope = _scope(kit, call, device, low, input_kind, inp)
+        scope["own"] = rules_table.own
+        if want is None:
+            with pytest.raises(RuntimeError, match="refused inside this block by its rules"):
+                with block:
+                    eval(ran, scope)  # noqa: S307 -- the table's own sample calls
+            continue
+        with block:
+            out = eval(ran, scope)  # noqa: S307
+        got = kit.dtype_name(out)
+        assert got == want, (name, form, kind, input_kind, got, want)
+        reference = eval(call, _scope(kit, call, device, low, input_kind, inp, to=want))  # noqa: S307
+        reference = _cast_out(kit, reference, device, want)
+        np.testing.assert_array_equal(kit.numpy(out), kit.numpy(reference),
+                                      err_msg=f"{name} {form} {kind} {input_kind}")
+
+
+def _dtype_of(kit, name, device, low, kind="float32"):
+    call = call_of(row(name), kit.name)
+    out = eval(call, _scope(kit, call, device, low, kind, inputs()))  # noqa: S307
+    return kit.dtype_name(out)
+
+
+def test_nested_blocks_merge_their_rules_and_the_inner_wins(kit, device):
+    low = "float16"
+    if (kit.name, device, low) in UNSUPPORTED:
+        pytest.skip("no float16 here")
+    with amp.autocast(dtype=low, device=device, rules={"softmax": "low", "exp": "low"}):
+        assert _dtype_of(kit, "softmax", device, low) == low
+        with amp.autocast(dtype=low, device=device, rules={"softmax": "float32",
+                                                           "matmul": "float32"}):
+            assert _dtype_of(kit, "softmax", device, low) == "float32"  # the inner's
+            assert _dtype_of(kit, "exp", device, low) == low  # the outer's, merged
+            assert _dtype_of(kit, "matmul", device, low) == "float32"
+        assert _dtype_of(kit, "softmax", device, low) == low  # the outer's again
+        assert _dtype_of(kit, "matmul", device, low) == low  # the row's again
+        with amp.autocast(dtype=low, device=device):  # no rules: the outer's stay
+            assert _dtype_of(kit, "exp", device, low) == low
+        with amp.autocast(enabled=False):  # autocast off: no rule, the op as it is
+            assert _dtype_of(kit, "exp", device, low, "low") == low
+            assert _dtype_of(kit, "exp", device, low) == "float32"
+        with amp.autocast(dtype=low, device=device, contract=False):  # the framework's own
+            assert _dtype_of(kit, "matmul", device, low) == low
+    with amp.autocast(dtype=low, device=device):
+        assert _dtype_of(kit, "softmax", device, low) == "float32"  # nothing left behind
+
+
+def test_the_decorator_carries_its_rules(kit, device):
+    low = "float16"
+    if (kit.name, device, low) in UNSUPPORTED:
+        pytest.skip("no float16 here")
+
+    @amp.autocast(dtype=low, device=device, rules={"softmax": "low"})
+    def forward():
+        return _dtype_of(kit, "softmax", device, low)
+
+    assert forward() == low
+    assert "rules={'softmax': 'low'}" in repr(amp.autocast(rules={"softmax": "low"}))
+
+
+def test_two_threads_do_not_see_each_others_rules(kit, device):
+    """While another thread holds a block with its rules open, this thread's blocks
+    see only their own. (The other thread runs no op: MegEngine runs ops on the
+    thread that imported it only.)"""
+    low = "float16"
+    if (kit.name, device, low) in UNSUPPORTED:
+        pytest.skip("no float16 here")
+    opened, done = threading.Event(), threading.Event()
+
+    def hold():
+        with amp.autocast(dtype=low, device=device, rules={"softmax": "low", "exp": "low"}):
+            opened.set()
+            done.wait(60)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert opened.wait(60)
+        with amp.autocast(dtype=low, device=device, rules={"softmax": "float32"}):
+            assert _dtype_of(kit, "softmax", device, low, "low") == "float32"
+            assert _dtype_of(kit, "exp", device, low, "low") == "float32"  # the row's
+        with amp.autocast(dtype=low, device=device, rules={"exp": "input"}):
+            assert _dtype_of(kit, "softmax", device, low, "low") == "float32"
+            assert _dtype_of(kit, "exp", device, low, "low") == low
+    finally:
+        done.set()
+        other.join()
+
+
+def test_a_bad_rule_is_refused_naming_what_is_accepted(kit):
+    with pytest.raises(ValueError, match=r"'sofmax' names no row.*Did you mean 'softmax'"):
+        amp.autocast(rules={"sofmax": "low"})
+    with pytest.raises(ValueError, match=r"must be one of 'low', 'float32', 'promote',"
+                                         r" 'input', 'refuse'; got 'half'"):
+        amp.autocast(rules={"softmax": "half"})
+    with pytest.raises(TypeError, match=r"is no op a rule can name"):
+        amp.autocast(rules={42: "low"})
+    with pytest.raises(TypeError, match=r"math.exp .* is no op a rule can name"):
+        import math
+
+        amp.autocast(rules={math.exp: "low"})
+    with pytest.raises(TypeError, match=r"must be a dict of op -> rule kind"):
+        amp.autocast(rules=["softmax"])
+    with pytest.raises(ValueError, match=r"contract=False.*no rule changes"):
+        amp.autocast(rules={"softmax": "low"}, contract=False)
+    other = "megengine" if kit.name == "torch" else "torch"
+    stand_in = type("F", (), {"__module__": f"{other}.functional"})
+    foreign = type(other, (), {"__call__": lambda self: None, "__module__": other})()
+    del stand_in
+    with pytest.raises(ValueError, match=rf"is not a {kit.name} function"):
+        amp.autocast(rules={foreign: "low"})
