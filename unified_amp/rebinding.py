@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import inspect
 import os
 import sys
@@ -38,7 +39,7 @@ from typing import Any, Callable, Iterable
 from unified_amp.errors import ContractWarning
 
 # The core's files and the adapters': their frames hold originals while they install.
-_OURS = tuple(os.path.dirname(os.path.abspath(sys.modules[m].__file__ or ""))
+_OURS = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(m).origin or ""))
               for m in ("unified_amp", "unified_amp.backends"))
 
 

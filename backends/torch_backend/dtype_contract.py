@@ -459,8 +459,11 @@ def _targets(key: Any) -> list[Any]:
                 f" (it may be entered inside), or run one block with these rules"
                 f" eagerly first.")
         wrapper = _ruled(key)
-        Rebinder([(key, wrapper, _rules.describe(key))], keeps=None).everywhere()
-        _own_wrappers[key] = wrapper
+        del key  # the pass swaps what holds the original; the wrapper keeps it
+        Rebinder([(wrapper.__wrapped__, wrapper, _rules.describe(wrapper))],
+                 keeps=None).everywhere()
+        _own_wrappers[wrapper.__wrapped__] = wrapper
+        return [wrapper.__wrapped__]
     return [key]
 
 
