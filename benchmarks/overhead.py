@@ -18,6 +18,8 @@ from megengine.amp's scale (2**4), so both skip the same steps.
   piece swapped at a time, in CPU time of the Python thread (the host's work, which a
   launch-bound step waits on); on torch, in a run of its own, ``torch.autocast`` with a
   function mode that only calls through: the floor of any contract carried by a mode.
+- ``rules``: the same MLP step under ``amp.autocast()`` and under the same block with
+  rules (one naming an op the step never calls, one on each of its Linear layers).
 - ``mode`` (torch): microseconds per torch call (8x8 linear, relu, add) under
   torch.autocast, with an empty function mode, under ``amp.autocast()`` and
   ``contract=False``.
@@ -148,6 +150,10 @@ ROWS = (("the scaler only", True, False, None),
         ("both, contract off", True, True, False),
         ("both, the defaults", True, True, True))
 FLOOR_ROW = "torch.autocast + an empty function mode"
+# A block's own rules (docs/API.md, "Your own rules"): one naming an op the step never
+# calls, and one on every Linear of the step (the row's own kind, so the same dtypes).
+RULE_ROWS = {"amp.autocast(rules={'softmax': 'low'})": {"softmax": "low"},
+             "amp.autocast(rules={'linear': 'low'})": {"linear": "low"}}
 
 
 def _native_with_empty_mode(device: str, dtype: str) -> Callable[[], Any]:
@@ -185,6 +191,9 @@ def _mlp_table(run: Any, dtype: str, sched: dict[str, int], rows: tuple[str, ...
             step = kit.native_step(w, dtype)
         elif name == FLOOR_ROW:
             step = kit.native_step(w, dtype, autocast=_native_with_empty_mode(kit.device, dtype))
+        elif name in RULE_ROWS:
+            step = kit.native_step(w, dtype, autocast=lambda: amp.autocast(
+                device=kit.device, rules=RULE_ROWS[name]))
         else:
             _, scaler, autocast, contract = next(r for r in ROWS if r[0] == name)
             step = kit.native_step(
@@ -210,6 +219,16 @@ def step(run: Any) -> dict[str, Any]:
     if torch:  # its own run: timed among the others a ninth model moved them 1-2 points
         out["mode_floor"] = _mlp_table(run, dtype, sched, ("amp.autocast() only", FLOOR_ROW))
     return out
+
+
+def rules(run: Any) -> dict[str, Any]:
+    """The launch-bound MLP step under a block with rules, beside the same block
+    without them (and the native's), in one run: what a block's own rules cost."""
+    torch = run.backend == "torch"
+    sched = run.schedule(dict(warmup=3, rounds=41 if torch else 21, steps=10 if torch else 4),
+                         dict(warmup=1, rounds=3, steps=2))
+    dtype = low_dtype(run.backend, run.kit.device)
+    return {"mlp": _mlp_table(run, dtype, sched, ("amp.autocast() only", *RULE_ROWS))}
 
 
 # -- the contract's cost per torch call ----------------------------------------------------

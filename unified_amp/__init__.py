@@ -64,7 +64,7 @@ subscribe_forensics(ScalerForensics)
 # The modules' paths before apex/ was a package: `from unified_amp import opt_levels`.
 from .apex import cast_registry, opt_levels  # noqa: F401
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "autocast",

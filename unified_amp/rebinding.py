@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterable
 from unified_amp.errors import ContractWarning
 
 # The core's files and the adapters': their frames hold originals while they install.
-_OURS = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(m).origin or ""))
+_OURS = tuple(os.path.dirname(os.path.abspath(getattr(importlib.util.find_spec(m), "origin",
+                                                      None) or ""))
               for m in ("unified_amp", "unified_amp.backends"))
 
 

@@ -458,7 +458,7 @@ def _targets(key: Any) -> list[Any]:
                 f" amp.autocast(rules=...) object once outside the compiled function"
                 f" (it may be entered inside), or run one block with these rules"
                 f" eagerly first.")
-        wrapper = _ruled(key)
+        wrapper: Any = _ruled(key)
         del key  # the pass swaps what holds the original; the wrapper keeps it
         Rebinder([(wrapper.__wrapped__, wrapper, _rules.describe(wrapper))],
                  keeps=None).everywhere()
