@@ -78,8 +78,11 @@ class _Ops:
         self.framework, self.scope, self.prim = framework, scope, prim
         self.kind = _Kinds(prim["is_low"])
 
-    def rec(self, out, op, inp, on, y):
-        out.append((op, self.kind(inp), on, y))
+    def rec(self, out, op, inp, on, y, values=()):
+        """Records (op, its input's kind, autocast on, output, the dtypes of the floating
+        values the call took, in order: what a block's rule of the op casts by)."""
+        out.append((op, self.kind(inp), on, y,
+                    [self.prim["dtype"](v) for v in values if self.prim["is_float"](v)]))
         return y
 
     def fit_in(self, h, name):
@@ -116,7 +119,7 @@ class _Ops:
         def run(h, P, out, on):
             values = [self.fit_in(h, n) if n == slot else
                       self.prim["like"](P[n], h) if n in others else P[n] for n in args]
-            return self.fit_out(self.rec(out, name, h, on, fn(*values)))
+            return self.fit_out(self.rec(out, name, h, on, fn(*values), values))
 
         return run
 
@@ -136,6 +139,7 @@ def torch_ops():
         "tile": lambda t, k: t.repeat(k), "reshape": lambda t, s: t.reshape(s),
         "tanh": torch.tanh, "sigmoid": torch.sigmoid,
         "like": lambda t, h: t.to(h.dtype) if t.is_floating_point() else t,
+        "is_float": lambda t: t.is_floating_point(), "dtype": lambda t: t.dtype,
     }
     table = _Ops("torch", {"torch": torch, "F": F}, prim)
     rec = table.rec
@@ -148,7 +152,7 @@ def torch_ops():
         "nll": lambda h, P, out, on: F.nll_loss(rec(out, "nll", h, on, F.log_softmax(h, -1)),
                                                 P["labels8"]),
     }
-    return table.ops(), losses
+    return table.ops(), losses, table
 
 
 def torch_bits(t):
@@ -168,7 +172,7 @@ class TorchSide:
         import torch
 
         self.torch = torch
-        self.ops, self.losses = torch_ops()
+        self.ops, self.losses, self.table = torch_ops()
 
     def blocks(self, side, p, contract):
         torch = self.torch
@@ -178,9 +182,10 @@ class TorchSide:
             inner = lambda enabled: torch.autocast("cpu", dtype=low, enabled=enabled)  # noqa: E731
         else:  # the CPU's, as the native's: a block with no device covers CUDA alone
             # where torch sees a GPU (docs/API.md, "Devices")
-            outer = lambda: amp.autocast(dtype=p.low, device="cpu", contract=contract)  # noqa: E731
-            inner = lambda enabled: amp.autocast(  # noqa: E731
-                enabled=enabled, dtype=p.low, device="cpu", contract=contract)
+            outer = lambda rules=None: amp.autocast(  # noqa: E731
+                dtype=p.low, device="cpu", contract=contract, rules=rules)
+            inner = lambda enabled, rules=None: amp.autocast(  # noqa: E731
+                enabled=enabled, dtype=p.low, device="cpu", contract=contract, rules=rules)
         return outer, inner
 
     def function(self, p, side, contract):
@@ -188,7 +193,7 @@ class TorchSide:
         outer, inner = self.blocks(side, p, contract)
         scope = {"torch": torch, "F32": lambda h: h.float(), "OP": self.ops, "LOSS": self.losses, "OUTER": outer,
                  "INNER": inner, "BREAK": torch._dynamo.graph_break,
-                 "CTX": outer() if p.made_outside else None}
+                 "CTX": (outer(p.rules or None) if p.rules else outer()) if p.made_outside else None}
         code = compile(programs.source(p, side), f"<autocast fuzz {p.name} {side}>", "exec")
         exec(code, scope)
         return scope["program"]
@@ -209,7 +214,9 @@ class TorchSide:
         loss.backward()
         grads = {k: torch_bits(v.grad) for k, v in P.items() if v.grad is not None}
         return {"loss": torch_bits(loss), "h": torch_bits(h), "grads": grads,
-                "ops": [(op, k, on, str(y.dtype).removeprefix("torch.")) for op, k, on, y in out]}
+                "ops": [(op, k, on, str(y.dtype).removeprefix("torch."),
+                         [str(d).removeprefix("torch.") for d in took])
+                        for op, k, on, y, took in out]}
 
 
 # -- MegEngine ----------------------------------------------------------------------------
@@ -224,6 +231,7 @@ def megengine_ops():
         "tile": lambda t, k: F.tile(t, (k,)), "reshape": lambda t, s: t.reshape(s),
         "tanh": F.tanh, "sigmoid": F.sigmoid,
         "like": lambda t, h: t.astype(h.dtype) if "float" in str(t.dtype) else t,
+        "is_float": lambda t: "float" in str(t.dtype), "dtype": lambda t: str(t.dtype),
     }
     table = _Ops("megengine", {"F": F, "mge": megengine}, prim)
     rec = table.rec
@@ -242,6 +250,7 @@ def megengine_ops():
         "nll": nll,
     }
     ops = table.ops()
+    ops_table = table
     # MegEngine 1.13's float32 sin and cos (MKL's vsSin/vsCos; megengine.amp's autocast
     # computes them in float32, and float16 ones go through float32 too) fail on an
     # infinite input ("VML_STATUS_ERRDOM"), and the second such failure in a process
@@ -252,7 +261,7 @@ def megengine_ops():
     for name in ("sin", "cos"):
         if name in ops:
             ops[name] = _finite_input(ops[name], F)
-    return ops, losses
+    return ops, losses, ops_table
 
 
 def _finite_input(run, F):
@@ -302,18 +311,20 @@ class MegEngineSide:
         import megengine
 
         self.megengine = megengine
-        self.ops, self.losses = megengine_ops()
+        self.ops, self.losses, self.table = megengine_ops()
 
     def function(self, p, side, contract):
         if side == "native":
             outer = lambda: _MegEngineNative(True, p.low)  # noqa: E731
             inner = lambda enabled: _MegEngineNative(enabled, p.low)  # noqa: E731
         else:
-            outer = lambda: amp.autocast(dtype=p.low, contract=contract)  # noqa: E731
-            inner = lambda enabled: amp.autocast(  # noqa: E731
-                enabled=enabled, dtype=p.low, contract=contract)
+            outer = lambda rules=None: amp.autocast(  # noqa: E731
+                dtype=p.low, contract=contract, rules=rules)
+            inner = lambda enabled, rules=None: amp.autocast(  # noqa: E731
+                enabled=enabled, dtype=p.low, contract=contract, rules=rules)
         scope = {"F32": lambda h: h.astype("float32"), "OP": self.ops, "LOSS": self.losses, "OUTER": outer, "INNER": inner,
-                 "BREAK": lambda: None, "CTX": outer() if p.made_outside else None}
+                 "BREAK": lambda: None,
+                 "CTX": (outer(p.rules or None) if p.rules else outer()) if p.made_outside else None}
         code = compile(programs.source(p, side), f"<autocast fuzz {p.name} {side}>", "exec")
         exec(code, scope)
         return scope["program"]
@@ -332,8 +343,99 @@ class MegEngineSide:
             gm.backward(loss)
         grads = {k: megengine_bits(v.grad) for k, v in trained.items() if v.grad is not None}
         return {"loss": megengine_bits(loss), "h": megengine_bits(h), "grads": grads,
-                "ops": [(op, k, on, str(y.dtype)) for op, k, on, y in out]}
+                "ops": [(op, k, on, str(y.dtype), took) for op, k, on, y, took in out]}
 
 
 def side_for(backend_name: str):
     return TorchSide() if backend_name == "torch" else MegEngineSide()
+
+
+# -- a block's own rules -------------------------------------------------------------------
+
+def rule_dtype(kind: str, low: str, took: list[str]) -> str:
+    """The dtype a block's rule of ``kind`` gives an op whose floating inputs had the
+    dtypes ``took`` (unified_amp/rules.py, MEANING): the rule wins over the row's."""
+    if kind == "low":
+        return low
+    if kind == "float32":
+        return "float32"
+    if kind == "promote":
+        return "float32" if "float32" in took else low
+    assert kind == "input", kind
+    return took[0]
+
+
+_RULE_KEYS: dict = {}
+
+
+def rule_keys(side, low: str) -> tuple[str, ...]:
+    """The rows a fuzz program's rules may name on ``side``: those the fuzz's own
+    plumbing (fitting the activation into a sample's shape and domain, the losses, the
+    casts) does not call, found by trying each under a "refuse" rule once: a rule of
+    one of those would change the plumbing's dtypes too, and no longer be the op's
+    alone to check."""
+    key = (type(side).__name__, low)
+    if key in _RULE_KEYS:
+        return _RULE_KEYS[key]
+    p = programs.make(0, 0)
+    if isinstance(side, TorchSide):
+        import torch
+
+        x, P = side.inputs(p)
+        acts = [x.detach(), x.detach().to(getattr(torch, low))]
+        block = lambda rules: amp.autocast(dtype=low, device="cpu", rules=rules)  # noqa: E731
+        f32 = lambda h: h.float()  # noqa: E731
+    else:
+        import megengine
+
+        P = {k: megengine.tensor(v, dtype="int32" if v.dtype != np.float32 else "float32")
+             for k, v in arrays(p).items()}
+        acts = [P["x_in"], P["x_in"].astype(low)]
+        block = lambda rules: amp.autocast(dtype=low, rules=rules)  # noqa: E731
+        f32 = lambda h: h.astype("float32")  # noqa: E731
+    table = side.table
+    slots = sorted({n for n, (_, role, _) in SAMPLES.items() if role == "data"})
+    clip = table.framework == "megengine" and bool({"sin", "cos"} & set(side.ops))
+
+    def plumbing():
+        for h in acts:
+            for n in slots:
+                table.fit_out(table.fit_in(h, n))
+            for n, v in P.items():
+                table.prim["like"](v, h)
+            f32(h)
+            for loss in side.losses.values():
+                loss(h, P, [], True)
+            if clip:  # MegEngine's sin and cos take a clipped input (megengine_ops)
+                import megengine.functional as F
+
+                F.clip(h, -60000.0, 60000.0)
+
+    # Rows that share a function with another row on this framework (MegEngine's
+    # F.matmul is matmul's, matrix-vector product's and batched matmul's; F.interpolate
+    # and F.pad serve several rows on both): a rule keyed by one of those rows' names
+    # is a rule of the function, so it also rules the other rows' calls (on MegEngine,
+    # {'matrix-vector product': 'refuse'} refuses a batched matmul: the rules fuzz,
+    # seed 0 index 40), where on torch matmul, mv and bmm stay apart. Reported, not
+    # drawn: the fuzz checks a rule on its own row's calls.
+    from unified_amp.dtype_contract import ROWS
+
+    spell: dict = {}
+    for r in ROWS:
+        for s in getattr(r, table.framework):
+            spell.setdefault(s, set()).add(r.name)
+    shared = {n for names_ in spell.values() if len(names_) > 1 for n in names_}
+    allowed = []
+    for name in op_names(table.framework):
+        if name in shared:
+            continue
+        try:
+            with block({name: "refuse"}):
+                plumbing()
+        except RuntimeError as exc:
+            if "refused" not in str(exc):
+                raise
+            continue
+        allowed.append(name)
+    _RULE_KEYS[key] = tuple(allowed)
+    return _RULE_KEYS[key]

@@ -67,6 +67,7 @@ class Program:
     loss_inside: bool
     shape: str = "whole"
     made_outside: bool = False  # the outer block object made outside the function
+    rules: dict = field(default_factory=dict)  # the outer block's own rules (draw_rules)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -82,7 +83,7 @@ def _without(items: list, leave_out: tuple) -> list:
     out: list = []
     for item in items:
         if isinstance(item, tuple):
-            out.append((item[0], item[1], _without(item[2], leave_out)))
+            out.append((item[0], item[1], _without(item[2], leave_out), *item[3:]))
         elif item not in leave_out:
             out.append(item)
     return out
@@ -136,7 +137,8 @@ def source(p: Program, side: str) -> str:
         lines.append(f"    h = OP[{op!r}](h, P, out, False)")
     if p.shape == "break_before":
         lines.append("    BREAK()")
-    lines.append("    with CTX:" if p.made_outside else "    with OUTER():")
+    lines.append("    with CTX:" if p.made_outside else
+                 f"    with OUTER({p.rules!r}):" if p.rules else "    with OUTER():")
     body = list(p.body)
     if p.shape == "break_inside":
         body.insert(len(body) // 2, "break")
@@ -160,8 +162,11 @@ def _emit(items: list, lines: list[str], depth: int, on: bool) -> None:
         if item == "break":
             lines.append(f"{pad}BREAK()")
         elif isinstance(item, tuple):
-            _, enabled, inner = item
-            lines.append(f"{pad}with INNER({enabled}):")
+            _, enabled, inner, *rules = item
+            if rules and rules[0]:
+                lines.append(f"{pad}with INNER({enabled}, {rules[0]!r}):")
+            else:
+                lines.append(f"{pad}with INNER({enabled}):")
             # a float32 activation going into a disabled block, as user code casts it
             # (a low-precision activation and a float32 weight do not mix without autocast)
             lines.append(f"{pad}    h = F32(h)")
@@ -175,3 +180,95 @@ def _emit(items: list, lines: list[str], depth: int, on: bool) -> None:
 
 def has_nested(items: list) -> bool:
     return any(isinstance(i, tuple) for i in items)
+
+
+# -- a block's own rules (amp.autocast(rules=...)), for the contract-on programs ---------------
+
+RULE_KINDS = ("low", "float32", "promote", "input", "refuse")
+
+
+def body_ops(items: list) -> list[str]:
+    """The op names a block's items call, nested blocks' included, in order."""
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, tuple):
+            out += body_ops(item[2])
+        elif item != "break":
+            out.append(item)
+    return out
+
+
+def _draw(rng: random.Random, keys: list[str], refuse: float, no_low: tuple) -> dict:
+    kinds = [k for k in RULE_KINDS if k != "refuse"]
+    return {key: "refuse" if rng.random() < refuse else
+            "float32" if key in no_low else rng.choice(kinds)
+            for key in rng.sample(keys, min(len(keys), rng.randint(1, 3)))}
+
+
+def _draw_nested(rng: random.Random, items: list, keys: list[str], refuse: float,
+                 no_low: tuple) -> list:
+    out: list = []
+    for item in items:
+        if isinstance(item, tuple):
+            inner = _draw_nested(rng, item[2], keys, refuse, no_low)
+            mine = [k for k in keys if k in body_ops(item[2])] or keys
+            rules = _draw(rng, mine, refuse, no_low) if rng.random() < 0.5 else {}
+            out.append((item[0], item[1], inner, rules))
+        else:
+            out.append(item)
+    return out
+
+
+def draw_rules(p: Program, allowed: tuple[str, ...], refuse: float = 0.1,
+               no_low: tuple[str, ...] = ()) -> Program:
+    """``p`` with rules drawn for its blocks, from (seed, index) alone (a generator of
+    their own, so the program's ops are those ``make`` drew): the outer block most of
+    the time, each nested block (enabled or not) half of the time, each naming one to
+    three of the ops the program calls inside the block (``allowed``: the rows a rule
+    may name, see autocast_ops.rule_keys) with a random kind, "refuse" rarely
+    (``no_low``: rows given "float32" or "refuse" only, whose low-precision kernels the
+    framework lacks)."""
+    rng = random.Random(f"autocast-fuzz-rules:{p.seed}:{p.index}")
+    keys = sorted({op for op in body_ops(p.body) if op in allowed})
+    if not keys:
+        return p
+    p.rules = _draw(rng, keys, refuse, no_low) if rng.random() < 0.75 else {}
+    p.body = _draw_nested(rng, p.body, keys, refuse, no_low)
+    return p
+
+
+def rules_in_force(p: Program) -> list[dict]:
+    """The rules in force at each op and loss call the program records, in the order
+    it records them: an enabled block's merged over the enclosing enabled block's
+    (inner wins), none in an ``enabled=False`` block or in a re-enabled block's
+    enclosing disabled one, none outside the outer block."""
+    seen: list[dict] = [{} for _ in p.before]
+
+    def walk(items: list, force: dict, on: bool) -> None:
+        for item in items:
+            if isinstance(item, tuple):
+                _, enabled, inner, *rules = item
+                own = rules[0] if rules else {}
+                walk(inner, {**force, **own} if enabled else {}, enabled)
+            elif item != "break":
+                seen.append(force if on else {})
+
+    walk(p.body, dict(p.rules), True)
+    if p.loss_inside:
+        seen.append(dict(p.rules))
+    seen += [{} for _ in p.after]
+    if not p.loss_inside:
+        seen.append({})
+    return seen
+
+
+def ruled_calls(p: Program) -> list[tuple[str, str]]:
+    """(op, kind) of each call the program makes of an op that a rule in force names."""
+    calls = p.before + body_ops(p.body) + [p.loss] * p.loss_inside
+    return [(op, rules[op]) for op, rules in zip(calls, rules_in_force(p)) if op in rules]
+
+
+def refused(p: Program) -> bool:
+    """Whether the program calls an op that a "refuse" rule in force refuses."""
+    calls = p.before + body_ops(p.body) + [p.loss] * p.loss_inside
+    return any(rules.get(op) == "refuse" for op, rules in zip(calls, rules_in_force(p)))

@@ -94,7 +94,7 @@ def _block(rng: random.Random, backward: str | None = None) -> list[Any]:
     swaps for any (a forgotten scale(), the framework's own backward, none, ...)."""
     if backward is None or rng.random() < 0.1:
         backward = rng.choice(BACKWARDS)
-    return ["block",
+    call = ["block",
             rng.choice(FORWARDS["first"]), rng.choice(FORWARDS["second"]),
             rng.choice([None, "float32", "float32", "float32"]),  # a cast between the layers
             rng.choice(["both"] * 9 + ["first"]),  # "first": the loss skips l2
@@ -102,6 +102,32 @@ def _block(rng: random.Random, backward: str | None = None) -> list[Any]:
             rng.choice([None] * 7 + ["inf", "nan", "loss-inf"]),
             backward,
             rng.randrange(1 << 16)]
+    # the blocks' own rules, from the block's data (so the rest of the program is the one
+    # drawn before blocks had rules), before the data (call[-1])
+    call.insert(8, block_rules(call[-1]))
+    return call
+
+
+# The rows the forward pass calls (l1 and l2 are Linear modules; (o * o).mean()): a rule
+# names them by row, the key both backends take.
+RULE_ROWS = ("linear", "multiply", "mean")
+RULE_KINDS = ("low", "float32", "promote", "input", "refuse")
+
+
+def block_rules(data: int) -> dict[str, Any]:
+    """Rules for a forward's blocks (World.forward), drawn from ``data``: for the
+    first block (l1's) and the second (a nested or later one: l2's), each a dict of
+    row -> kind, or None (no rules); "refuse" rarely."""
+    rng = random.Random(f"{SALT}-rules:{data}")
+    out: dict[str, Any] = {}
+    for which in ("first", "second"):
+        if rng.random() < 0.4:
+            keys = rng.sample(RULE_ROWS, rng.randint(1, 2))
+            out[which] = {k: "refuse" if rng.random() < 0.05 else rng.choice(RULE_KINDS[:4])
+                          for k in keys}
+        else:
+            out[which] = None
+    return out
 
 
 def _iteration(rng: random.Random) -> list[list[Any]]:
@@ -211,11 +237,17 @@ class World:
 
     # -- the calls ---------------------------------------------------------------------------
     def forward(self, record: dict[str, Any], first: str, second: str, cast: str | None,
-                which: str, loss32: bool, plant: str | None, data: int) -> Any:
+                which: str, loss32: bool, plant: str | None, rules: dict[str, Any],
+                data: int) -> Any:
         kit = self.kit
         x = kit.tensor(_inputs(data, plant))
-        blocks = {"f16": lambda: amp.autocast(dtype="float16"),
-                  "off": lambda: amp.autocast(enabled=False), "none": _nothing}
+        # each block with its rules (block_rules); an enabled=False block takes them too
+        # and has none in force
+        made = {"f16": lambda r: amp.autocast(dtype="float16", rules=r),
+                "off": lambda r: amp.autocast(enabled=False, rules=r),
+                "none": lambda r: _nothing()}
+        blocks = {which_: {k: (lambda f=f, r=rules[which_]: f(r)) for k, f in made.items()}
+                  for which_ in ("first", "second")}
         dtypes = record["dtypes"]
 
         def tail(h: Any) -> Any:
@@ -228,16 +260,16 @@ class World:
             dtypes.append(kit.dtype_name(loss))
             return loss
 
-        with blocks[first]():
+        with blocks["first"][first]():
             h = self.l1(x)
             dtypes.append(kit.dtype_name(h))
             if second == "same":
                 loss = tail(h)
             elif second.startswith("nested-"):
-                with blocks[second[len("nested-"):]]():
+                with blocks["second"][second[len("nested-"):]]():
                     loss = tail(h)
         if second.startswith("after-"):
-            with blocks[second[len("after-"):]]():
+            with blocks["second"][second[len("after-"):]]():
                 loss = tail(h)
         if plant == "loss-inf":
             loss = loss * float("inf")
@@ -246,9 +278,9 @@ class World:
     def call(self, call: list[Any], record: dict[str, Any], other_state: Any) -> None:
         kind, s, gm = call[0], self.scaler, self.gm
         if kind == "block":
-            *forward, backward, data = call[1:]
+            *forward, backward, rules, data = call[1:]
             with gm:
-                loss = self.forward(record, *forward, data)
+                loss = self.forward(record, *forward, rules, data)
                 if backward == "auto":
                     s.backward(gm, loss)
                 elif backward == "auto-noupdate":

@@ -10,6 +10,9 @@ may be an object made outside the compiled function.
   gradients byte-identical to torch.autocast's compiled program (where dynamo gives up
   on the unified frame, torch.autocast's frame runs eagerly too);
 - the contract on, aot_eager: every op has docs/DTYPE_CONTRACT.md's dtype;
+- the contract on with rules drawn for the blocks, aot_eager: every op the dtype of the
+  rule in force (or the table's), the same as the same program run eagerly, and a
+  "refuse" rule in force raises as it does eagerly;
 - the library's first use inside a compiled program, in a fresh interpreter.
 
 MegEngine has no torch.compile; its programs run eagerly in test_autocast_fuzz.py.
@@ -37,7 +40,8 @@ import unified_amp as amp  # noqa: E402
 from ..contract.dtype_table import expected  # noqa: E402,F401
 from . import autocast_ops as ops  # noqa: E402
 from . import autocast_programs as programs  # noqa: E402
-from .test_autocast_fuzz import contract_violations, first_difference, report  # noqa: E402
+from .test_autocast_fuzz import (NO_LOW, contract_violations, first_difference,  # noqa: E402
+                                 report, rule_note, run_with_rules)
 
 ROOT = Path(__file__).resolve().parents[2]
 # pytest-timeout's 300 s (pyproject.toml) is for make test's fast tier; a long run gets
@@ -130,6 +134,25 @@ def test_the_contract_compiled_gives_every_op_its_table_dtype(fuzz, side):
         ran = run_compiled(side, p, "unified", True, "aot_eager")
         bad = contract_violations(p, ran)
         assert not bad, report(p, f"aot_eager, shape {p.shape}: " + "; ".join(bad), "", "")
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_block_s_rules_compiled_give_the_rule_s_dtype_as_eagerly(fuzz, side):
+    # two in the fast tier (the whole block; a break before it), every 4th of a long run
+    for i in share(fuzz, 2, 4):
+        p = compiled_program(fuzz, i)
+        p = programs.draw_rules(p, ops.rule_keys(side, p.low), no_low=NO_LOW["torch"])
+        eager = run_with_rules(side, p)
+        ran = run_with_rules(side, p, compile_with="aot_eager")
+        assert (ran is None) == (eager is None)
+        if ran is not None:
+            bad = contract_violations(p, ran)
+            assert not bad, report(p, f"aot_eager, shape {p.shape}: " + "; ".join(bad)
+                                   + "\n" + rule_note(p), "", "")
+            assert ran["ops"] == eager["ops"], report(p, f"aot_eager, shape {p.shape}:"
+                                                        " dtypes differ from eager",
+                                                      ran["ops"], eager["ops"])
         assert not torch.is_autocast_enabled("cpu")
         assert torch._C._len_torch_function_stack() == 0
 

@@ -490,6 +490,22 @@ def test_the_same_program_gives_the_same_outcome_on_both_backends(fuzz):
             load_megengines_states(fuzz.seed, i, m, tally)
     print(f"\ncross-backend fuzz, seed {fuzz.seed}: {tally.line()}", file=sys.stderr)
     assert tally.compared > tally.calls // 3, tally.line()  # the programs do get far
+    # and forward blocks with rules in force are among them (portable_programs.block_rules)
+    ruled = sum(ruled_blocks(make_program(fuzz.seed, i)[1]) for i in indices)
+    assert ruled > 0 or not indices, ruled
+
+
+def ruled_blocks(calls: list[list[Any]]) -> int:
+    """How many of a program's forward blocks have rules in force: an enabled block's
+    (f16) own rules, or the first block's in a block nested in it."""
+    count = 0
+    for call in calls:
+        if call[0] != "block":
+            continue
+        first, second, rules = call[1], call[2], call[8]
+        count += first == "f16" and bool(rules["first"])
+        count += second in ("nested-f16", "after-f16") and bool(rules["second"])
+    return count
 
 
 def _off_by(trace: dict[str, Any], factor: float) -> dict[str, Any]:
