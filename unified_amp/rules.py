@@ -91,7 +91,11 @@ def check(rules: Any) -> tuple[tuple[Any, str], ...]:
 def framework_of(key: Any) -> str:
     """"torch" or "megengine" for one of that framework's functions, methods or ops
     (a ``torch.library`` custom op is torch's), else ""."""
-    for owner in (key, getattr(key, "__objclass__", None), type(key)):
+    # (A Python function's own module only: dynamo 2.7 cannot trace the function type's
+    # __module__ descriptor, and a block may be made inside a compiled function.)
+    owners = (key,) if isinstance(key, types.FunctionType) else (
+        key, getattr(key, "__objclass__", None), type(key))
+    for owner in owners:
         module = str(getattr(owner, "__module__", None) or "").partition(".")[0]
         if module in ("torch", "megengine"):
             return module

@@ -106,14 +106,23 @@ def own_only_seen_compiled(h):
 
 
 def test_an_own_function_first_named_inside_compile_is_refused_naming_the_fix():
+    """Where dynamo traces the block's entry (torch >= 2.9) it cannot swap the wrapper in,
+    and says so; where the entry runs eagerly (2.7-2.8, autocast.py's
+    SKIPS_RECURSIVELY) the wrapper is swapped in there, and the rule holds."""
     torch._dynamo.reset()
 
     def fn(x):
-        with amp.autocast(dtype="bfloat16", rules={own_only_seen_compiled: "float32"}):
+        with amp.autocast(dtype="bfloat16", rules={own_only_seen_compiled: "low"}):
             return own_only_seen_compiled(x)
 
-    with pytest.raises(Exception, match="for the first time inside torch.compile"):
-        torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.ones(2))
+    from unified_amp.backends.torch_backend.autocast import SKIPS_RECURSIVELY
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=SKIPS_RECURSIVELY)
+    if SKIPS_RECURSIVELY:
+        with pytest.raises(Exception, match="for the first time inside torch.compile"):
+            compiled(torch.ones(2))
+    else:
+        assert compiled(torch.ones(2)).dtype == LOW
     # a block object made outside (its rules resolved then) is entered inside
     block = amp.autocast(dtype="bfloat16", rules={own_only_seen_compiled: "low"})
 
@@ -222,8 +231,11 @@ def test_a_cuda_block_pushes_a_mode_only_when_it_has_rules(fc):
     """Without rules a CUDA block leaves torch's mode stack alone (torch's kernels keep
     the contract: zero calls per op, tests/native/test_torch_fake_cuda_dtypes.py); with
     rules it pushes their mode, nested blocks without rules keep it."""
+    # an older torch whose CUDA registrations differ from the table's: the contract's
+    # mode for those rows (test_torch_fake_cuda_dtypes.py)
+    without = adapter.CONTRACT if "cuda" in adapter.MODE_DEVICES else None
     with amp.autocast(device="cuda"):
-        assert adapter.top_mode() is None
+        assert adapter.top_mode() is without
     with amp.autocast(device="cuda", rules={"softmax": "low"}):
         top = adapter.top_mode()
         assert isinstance(top, adapter.RulesMode)
