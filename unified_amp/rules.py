@@ -67,11 +67,9 @@ def check(rules: Any) -> tuple[tuple[Any, str], ...]:
                 f"autocast rules: the rule for {describe(key)} must be one of"
                 f" {_KIND_LIST}; got {kind!r}.")
         if isinstance(key, str):
-            from .dtype_contract import ROWS
-
-            names = [r.name for r in ROWS]
+            names = _row_names()
             if key not in names:
-                close = difflib.get_close_matches(key, names, n=3)
+                close = difflib.get_close_matches(key, list(names), n=3)
                 hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
                 raise ValueError(
                     f"autocast rules: {key!r} names no row of the dtype contract.{hint}"
@@ -86,6 +84,18 @@ def check(rules: Any) -> tuple[tuple[Any, str], ...]:
         else:
             functions.append((key, kind))
     return tuple(rows + functions)
+
+
+_ROW_NAMES: dict[str, None] = {}  # the table's, immutable once read
+
+
+def _row_names() -> dict[str, None]:
+    """The table's row names, in its order (read on the first rule that names a row)."""
+    if not _ROW_NAMES:
+        from .dtype_contract import ROWS
+
+        _ROW_NAMES.update(dict.fromkeys(r.name for r in ROWS))
+    return _ROW_NAMES
 
 
 def framework_of(key: Any) -> str:

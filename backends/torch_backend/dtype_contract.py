@@ -426,6 +426,7 @@ class _Modes:
 # Process-wide, as dynamo's cache they key is: each set of rules is one immutable mode,
 # which any thread may push; a block's rules live on its thread's mode stack.
 _mode_names: dict[frozenset, str] = {}
+_names_by_rules: dict[tuple, str] = {}  # (outer, key, kind, ...) as a block gave them
 _own_wrappers: dict[Any, Callable] = {}
 _lock = threading.Lock()
 _ROW_OF = _spellings(table.ROWS)
@@ -490,6 +491,9 @@ def rules_mode_name(outer: str, *flat: Any) -> str:
 
     dynamo runs it as it is while it traces (marked below, as
     torch.compiler.assume_constant_result marks): it makes classes, which no trace can."""
+    seen = _names_by_rules.get((outer,) + flat)
+    if seen is not None:  # a block entered again with the same rules: one lookup
+        return seen
     merged = dict(getattr(_Modes, outer).RULES) if outer else {}
     for key, kind in zip(flat[::2], flat[1::2]):
         for fn in _targets(key):
@@ -503,6 +507,7 @@ def rules_mode_name(outer: str, *flat: Any) -> str:
                              {"RULES": merged, "NAME": name, "__module__": __name__})
             setattr(_Modes, name, mode_type())
             _mode_names[frozen] = name
+        _names_by_rules[(outer,) + flat] = name
     return name
 
 
