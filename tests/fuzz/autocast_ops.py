@@ -18,6 +18,7 @@ and each op's (row, input kind, autocast on, output dtype) for the contract chec
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -115,11 +116,15 @@ class _Ops:
         fn = eval(f"lambda {', '.join(args)}: {call}", dict(self.scope))  # noqa: S307
         data = [n for n in args if SAMPLES[n][1] == "data"]
         slot, others = data[0], set(data[1:])
+        # the values the op itself takes: not those the call compares first (where's
+        # condition, t01 > 0.5, reaches it as a bool tensor)
+        taken = [j for j, n in enumerate(args) if not re.search(rf"\b{n}\s*[<>=!]=?\s", call)]
 
         def run(h, P, out, on):
             values = [self.fit_in(h, n) if n == slot else
                       self.prim["like"](P[n], h) if n in others else P[n] for n in args]
-            return self.fit_out(self.rec(out, name, h, on, fn(*values), values))
+            return self.fit_out(self.rec(out, name, h, on, fn(*values),
+                                         [values[j] for j in taken]))
 
         return run
 

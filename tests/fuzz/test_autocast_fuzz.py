@@ -63,6 +63,14 @@ NO_LOW = {"torch": ("distance", "average pool 3-d", "local response norm", "mult
           "megengine": ("local conv2d", "log1p", "pow", "reciprocal", "sqrt", "vector norm",
                         "normalize", "square", "batch norm", "local response norm")}
 
+# Rows whose MegEngine function other rows' MegEngine functions call inside (F.normalize
+# calls F.norm, F.maximum and a division; F.norm and F.nn.l1_loss call F.abs;
+# F.nn.interpolate calls F.concat): on MegEngine a block's rule of one of them also
+# rules those inner calls ({'vector norm': 'refuse'} refuses F.normalize: the rules
+# fuzz, seed 2 index 19), where on torch a rule sees only the call the program makes.
+# Reported, not drawn (found by trying each row's "refuse" rule under every other op).
+NESTED = {"torch": (), "megengine": ("divide", "abs", "maximum", "vector norm", "concatenate")}
+
 
 def program(fuzz, name, i):
     return programs.make(fuzz.seed, i, ops=ops.op_names(name), lows=LOWS[name],
@@ -172,7 +180,8 @@ def test_the_contract_gives_every_op_its_table_dtype(fuzz, name, side):
 def rules_program(fuzz, name, side, i):
     """Program i with rules drawn for its blocks (the same ops as ``program``'s)."""
     p = program(fuzz, name, i)
-    return programs.draw_rules(p, ops.rule_keys(side, p.low), no_low=NO_LOW[name])
+    keys = tuple(k for k in ops.rule_keys(side, p.low) if k not in NESTED[name])
+    return programs.draw_rules(p, keys, no_low=NO_LOW[name])
 
 
 def rule_note(p):
