@@ -255,15 +255,17 @@ def _wrapper(fn: Callable, entries: list[tuple[str, str, table.Row]],
         state = policy()
         if state is None:
             return fn(*args, **kwargs)
+        rules = thread_rules.rules
+        if rules and state == CONTRACT and _amp_state._enabled:
+            kind = rules.get(fn)
+            if kind is not None:
+                return apply_rule(kind, fn, args, kwargs, name or fn.__name__)
+            return _rules_off(wrapped, args, kwargs)
         if in_place and args and isinstance(args[0], megengine.Tensor):
             # the operator itself (``x / y``: wrapped or not, as its own row says), its
             # result kept in the receiver, in the receiver's dtype
             operator = getattr(type(args[0]), name.replace("__i", "__", 1))
             return _in_place(operator(*args, **kwargs), args[0])
-        if state == CONTRACT and thread_rules.rules and _amp_state._enabled:
-            kind = thread_rules.rules.get(fn)
-            if kind is not None:
-                return apply_rule(kind, fn, args, kwargs, name or fn.__name__)
         row = _which(entries, fn, args, kwargs)
         if state == CONTRACT:
             if not _amp_state._enabled or not handled(row):
@@ -350,10 +352,26 @@ def module_functions() -> list[tuple[str, Callable]]:
 
 # -- a block's own rules (amp.autocast(rules=...)) --------------------------------------------
 
+def _rules_off(fn: Callable, args: Any, kwargs: dict[str, Any]) -> Any:
+    """A framework function the block's rules do not name, run with no rule in force for
+    what it calls inside (``F.normalize``'s ``F.norm``): on torch, whose function mode
+    runs a torch function's body with itself off, a rule reaches only the calls the
+    program makes, and so it does here."""
+    rules = thread_rules.rules
+    thread_rules.rules = {}
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        thread_rules.rules = rules
+
+
 def apply_rule(kind: str, fn: Callable, args: Any, kwargs: dict[str, Any], name: str) -> Any:
     """``fn`` called as a block's rule of ``kind`` says (_rules.MEANING): the floating
     inputs cast, the op run with MegEngine's autocast off, its floating outputs in the
-    rule's dtype (MegEngine's reductions hand a float16 input's mean back in float32)."""
+    rule's dtype (MegEngine's reductions hand a float16 input's mean back in float32).
+    Where the op is a row whose low-precision kernels MegEngine lacks or computes wrongly
+    here (``Adapt.float32_compute``), a low dtype is computed in float32 and handed back
+    in it, as the contract does."""
     floating = [t for t in _tensors(args, kwargs) if _floating(t)]
     if not floating:
         return fn(*args, **kwargs)
@@ -367,19 +385,45 @@ def apply_rule(kind: str, fn: Callable, args: Any, kwargs: dict[str, Any], name:
         to = _widest({_name(t) for t in floating})
     else:  # "input"
         to = _name(floating[0])
-    args, kwargs = _cast(args, kwargs, to)
+    compute = "float32" if to != "float32" and _low_computed_in_float32(fn, floating[0]) \
+        else to
+    args, kwargs = _cast(args, kwargs, compute)
     return _returned_as(_without_autocast(fn, args, kwargs), to)
 
 
+# Rows whose float16 kernel on MegEngine's CPU build ends the process (a double free),
+# which the contract never runs (its rule promotes to the float32 weight): a rule asking
+# for a low dtype there gets it computed in float32 instead.
+_LOW_ENDS_THE_PROCESS = frozenset({"local conv2d"})
+
+
+def _low_computed_in_float32(fn: Callable, first: Any) -> bool:
+    if not _ROW_OF:
+        _ROW_OF.update(_row_functions())
+    found = _ROW_OF.get(id(fn))
+    if found is None or found[0] is not fn:
+        return False
+    places = found[1].adapt.float32_compute
+    if found[1].name in _LOW_ENDS_THE_PROCESS:
+        places += ("megengine-cpu",)
+    return "megengine" in places or ("megengine-cpu" in places and on_cpu(first))
+
+
 def _ruled(fn: Callable, name: str) -> Callable:
-    """A function no row wraps, as a block's rule sees it."""
+    """A function no row wraps, as a block's rule sees it. A framework function the
+    rules do not name keeps them off the calls it makes inside (``_rules_off``); a
+    program's own function does not: torch's function mode sees those calls too."""
+    framework = not _rules.is_own_function(fn)
 
     @functools.wraps(fn)
     def ruled(*args: Any, **kwargs: Any) -> Any:
-        if policy() == CONTRACT and thread_rules.rules and _amp_state._enabled:
-            kind = thread_rules.rules.get(fn)
+        rules = thread_rules.rules
+        if rules and policy() == CONTRACT and _amp_state._enabled:
+            kind = rules.get(fn)
             if kind is not None:
                 return apply_rule(kind, fn, args, kwargs, name)
+            if framework:
+                return _rules_off(fn, args, kwargs)
         return fn(*args, **kwargs)
 
     ruled.__unified_amp_wraps__ = fn  # type: ignore[attr-defined]

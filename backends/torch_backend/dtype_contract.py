@@ -374,7 +374,8 @@ def apply_rule(kind: str, func: Any, args: Any, kwargs: dict[str, Any], name: st
     """``func`` called as a block's rule of ``kind`` says, where autocast is on for its
     tensors' device (CPU or CUDA alike: a rule is the block's, not a device's): the
     floating inputs cast (_rules.MEANING), the op run with that device's autocast off,
-    as torch's Autocast kernels run theirs, and its floating outputs in the rule's dtype."""
+    as torch's Autocast kernels run theirs, and its floating outputs in the rule's dtype
+    (computed in float32 where the contract computes the row so on this device)."""
     dev = _autocast_device(args, kwargs, _RULE_DEVICES)
     if dev is None:
         return func(*args, **kwargs)
@@ -390,11 +391,24 @@ def apply_rule(kind: str, func: Any, args: Any, kwargs: dict[str, Any], name: st
         to = _widest(dtypes) if dtypes else None
     else:  # "input"
         to = _first_eligible(args, kwargs)
-    if to is not None:
-        args, kwargs = _cast(args, kwargs, dev, to)
+    compute = torch.float32 if to in LOW and _low_computed_in_float32(func, dev, to) else to
+    if compute is not None:
+        args, kwargs = _cast(args, kwargs, dev, compute)
     with _autocast_off(dev):
         out = func(*args, **kwargs)
     return out if to is None else _returned_as(out, to, name)
+
+
+def _low_computed_in_float32(func: Any, dev: str, low: torch.dtype) -> bool:
+    """Whether ``func`` spells a row that this device computes in float32 for ``low``
+    (``Adapt.float32_compute``: torch's CPU has no low-precision LSTM on every ISA): a
+    rule asking for ``low`` there is computed in float32 and handed back in ``low``, as
+    the contract does."""
+    row = _ROW_OF.get(func)
+    if row is None:
+        return False
+    places = row.adapt.float32_compute
+    return f"torch-{dev}" in places or f"torch-{dev}-{str(low).removeprefix('torch.')}" in places
 
 
 class RulesMode(ContractMode):

@@ -17,6 +17,7 @@ import unified_amp as amp
 
 from . import rules_table
 from .dtype_table import call_of, dtypes, inputs, row
+from .dtype_table import expected as table_expected
 from .rules_table import KEY_FORMS, KINDS, SAMPLE_ROWS
 
 LOWS = ["float16", "bfloat16"]
@@ -169,3 +170,22 @@ def test_a_bad_rule_is_refused_naming_what_is_accepted(kit):
     del stand_in
     with pytest.raises(ValueError, match=rf"is not a {kit.name} function"):
         amp.autocast(rules={foreign: "low"})
+
+
+@pytest.mark.parametrize("inner, outer", [("vector norm", "normalize"), ("abs", "L1 loss"),
+                                          ("divide", "normalize")])
+def test_a_rule_reaches_the_calls_the_program_makes_not_those_inside_another_op(
+        kit, device, inner, outer):
+    """``F.normalize`` calls a norm inside, on both frameworks: a rule refusing the norm
+    refuses the program's own norm, not normalize's (on torch, the function mode runs a
+    torch function's body with itself off; MegEngine's wrappers keep rules off there
+    too)."""
+    low = "float16"
+    if (kit.name, device, low) in UNSUPPORTED:
+        pytest.skip("no float16 here")
+    with amp.autocast(dtype=low, device=device, rules={inner: "refuse"}):
+        want = table_expected(row(outer), "low", low, call_of(row(outer), kit.name))
+        assert _dtype_of(kit, outer, device, low, "low") == want
+        if call_of(row(inner), kit.name):
+            with pytest.raises(RuntimeError, match="refused inside this block"):
+                _dtype_of(kit, inner, device, low, "low")
