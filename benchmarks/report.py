@@ -39,6 +39,9 @@ SHOWN: dict[tuple[str, str], tuple[str, list[tuple[str, str]]]] = {
                            " ratio to the native step", [
         (r"mlp / ratios / (.+)", r"\1"),
         (r"mode_floor / ratios / (.+)", r"a run of its own: \1")]),
+    ("overhead", "rules"): ("the launch-bound MLP step in a block with rules beside the"
+                            " same block without, ratio to the native step", [
+        (r"mlp / ratios / (.+)", r"\1")]),
     ("overhead", "mode"): ("the contract's cost per torch call (an 8x8 linear, relu and add)", [
         (r"ratio_to_torch_autocast / (?!torch\.autocast$)(.+)",
          r"\1: time per call / torch.autocast's"),
@@ -72,7 +75,7 @@ SHOWN: dict[tuple[str, str], tuple[str, list[tuple[str, str]]]] = {
 # What the page shows: the sections whose figures decide something (the others' results
 # stay in benchmarks/results/, and `python -m benchmarks` prints them).
 ON_THE_PAGE = [("throughput", "precisions"), ("overhead", "eager"), ("overhead", "step"),
-               ("overhead", "mode"), ("overhead", "forensics"), ("compile", "compile"),
+               ("overhead", "rules"), ("overhead", "mode"), ("overhead", "forensics"), ("compile", "compile"),
                ("compile", "whole-step"), ("trace", "trace"), ("real-models", "models"),
                ("cifar", "native")]
 

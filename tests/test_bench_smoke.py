@@ -175,7 +175,7 @@ def test_overhead_sections_on_this_backend():
     backend = amp.get_backend().name
     opts = bench_cli.parser().parse_args(["overhead"])
     assert bench_cli.plan("overhead", bench_cli.choose(opts), backend) == [
-        "eager", "step", "host", *(("mode",) if backend == "torch" else ()), "forensics",
+        "eager", "step", "rules", "host", *(("mode",) if backend == "torch" else ()), "forensics",
         "pinning"]
 
 

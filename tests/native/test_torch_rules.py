@@ -157,6 +157,8 @@ def _(x):
     return torch.empty_like(x)
 
 
+# (On torch's AutocastCPU key for the rest of the process: test_torch_fake_cuda_dtypes.py
+# holds torch's own, aten's, registrations to the table.)
 torch.library.register_autocast("unified_amp_test::twice_cast", "cpu", torch.float16)
 
 
