@@ -437,7 +437,7 @@ class _Modes:
     from here by a constant name, so that dynamo, which reads it too, guards on it."""
 
 
-# Process-wide, as dynamo's cache they key is: each set of rules is one immutable mode,
+# Process-wide, as dynamo's cache that they key is: each set of rules is one immutable mode,
 # which any thread may push; a block's rules live on its thread's mode stack.
 _mode_names: dict[frozenset, str] = {}
 _names_by_rules: dict[tuple, str] = {}  # (outer, key, kind, ...) as a block gave them
