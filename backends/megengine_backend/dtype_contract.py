@@ -476,9 +476,17 @@ def _targets(key: Any) -> list[tuple[Any, str, Any]]:
     return [(owner, name, key)]
 
 
+# A block's rules as it gave them -> what they resolved to (immutable once made): a
+# block entered again with the same rules, each step, resolves them with one lookup.
+_resolved: dict[tuple, dict[Any, str]] = {}
+
+
 def resolve_rules(rules: tuple[tuple[Any, str], ...]) -> dict[Any, str]:
     """A block's rules as original function -> kind, each function given a wrapper
     that sees it (a row's, or one of its own, swapped into the process's bindings)."""
+    seen = _resolved.get(rules)
+    if seen is not None:
+        return seen
     out: dict[Any, str] = {}
     fresh = []
     wrapped = {id(_original(w)) for _, w in (_rebinder.wrappers() if _rebinder else [])}
@@ -494,4 +502,5 @@ def resolve_rules(rules: tuple[tuple[Any, str], ...]) -> dict[Any, str]:
             fresh.append((fn, wrapper, _rules.describe(fn)))
     if fresh:
         Rebinder(fresh, shadowing=(megengine.Tensor,), keeps=None).everywhere()
+    _resolved[rules] = out
     return out
