@@ -58,7 +58,8 @@ def to_dtype(kind: str, found: list[str], low: str) -> str:
         return "float32"
     if kind == "promote":
         return "float32" if "float32" in found else low
-    return found[0]  # "input"
+    assert kind == "input", kind
+    return found[0]
 
 
 def framework_function(name: str, framework: str):

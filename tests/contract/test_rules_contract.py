@@ -24,22 +24,21 @@ LOWS = ["float16", "bfloat16"]
 UNSUPPORTED = {("megengine", "cpu", "bfloat16")}  # as in test_dtype_table.py
 
 
-def _scope(kit, call, device, low, kind, inp, to=None):
-    """The call's tensors as ``kit.run_call`` makes them; ``to``: every floating one
-    then in that dtype (the reference: what the rule hands the op)."""
+def _in(kit, t, device, to):
+    """``t`` in ``to``, through its values (what a rule's cast hands the op)."""
+    if kit.dtype_name(t) == to:
+        return t
+    return kit.tensor(kit.numpy(t).astype(np.float32), device, to)
+
+
+def _reference(kit, call, device, low, kind, inp, to):
+    """The op outside autocast on the call's tensors as ``kit.run_call`` makes them,
+    each floating one then in ``to``, and its output in ``to``."""
     scope = dict(kit.call_scope())
     for name, dtype in dtypes(call, kind, low).items():
-        if dtype == "int":
-            scope[name] = kit.labels(inp[name], device)
-            continue
-        t = kit.tensor(inp[name], device, dtype)
-        scope[name] = t if to is None else kit.tensor(kit.numpy(t).astype(np.float32), device, to)
-    return scope
-
-
-def _cast_out(kit, out, device, to):
-    return kit.tensor(kit.numpy(out).astype(np.float32), device, to) \
-        if kit.dtype_name(out) != to else out
+        scope[name] = kit.labels(inp[name], device) if dtype == "int" else \
+            _in(kit, kit.tensor(inp[name], device, dtype), device, to)
+    return _in(kit, eval(call, scope), device, to)  # noqa: S307 -- the table's own calls
 
 
 @pytest.mark.parametrize("low", LOWS)
@@ -59,26 +58,23 @@ def test_a_rule_gives_its_dtype_and_the_ops_own_values(kit, device, kind, name, 
     inp = inputs()
     for input_kind in rules_table.input_kinds(name):
         want = rules_table.expected(kind, call, input_kind, low)
-        scope = _scope(kit, call, device, low, input_kind, inp)
-        scope["own"] = rules_table.own
+        own = {"own": rules_table.own}  # the wrapper, once the block named it
         if want is None:
             with pytest.raises(RuntimeError, match="refused inside this block by its rules"):
                 with block:
-                    eval(ran, scope)  # noqa: S307 -- the table's own sample calls
+                    kit.run_call(ran, device, low, input_kind, inp, names=own)
             continue
         with block:
-            out = eval(ran, scope)  # noqa: S307
+            out = kit.run_call(ran, device, low, input_kind, inp, names=own)
         got = kit.dtype_name(out)
         assert got == want, (name, form, kind, input_kind, got, want)
-        reference = eval(call, _scope(kit, call, device, low, input_kind, inp, to=want))  # noqa: S307
-        reference = _cast_out(kit, reference, device, want)
+        reference = _reference(kit, call, device, low, input_kind, inp, want)
         np.testing.assert_array_equal(kit.numpy(out), kit.numpy(reference),
                                       err_msg=f"{name} {form} {kind} {input_kind}")
 
 
 def _dtype_of(kit, name, device, low, kind="float32"):
-    call = call_of(row(name), kit.name)
-    out = eval(call, _scope(kit, call, device, low, kind, inputs()))  # noqa: S307
+    out = kit.run_call(call_of(row(name), kit.name), device, low, kind, inputs())
     return kit.dtype_name(out)
 
 

@@ -357,19 +357,6 @@ def side_for(backend_name: str):
 
 # -- a block's own rules -------------------------------------------------------------------
 
-def rule_dtype(kind: str, low: str, took: list[str]) -> str:
-    """The dtype a block's rule of ``kind`` gives an op whose floating inputs had the
-    dtypes ``took`` (unified_amp/rules.py, MEANING): the rule wins over the row's."""
-    if kind == "low":
-        return low
-    if kind == "float32":
-        return "float32"
-    if kind == "promote":
-        return "float32" if "float32" in took else low
-    assert kind == "input", kind
-    return took[0]
-
-
 _RULE_KEYS: dict = {}
 
 

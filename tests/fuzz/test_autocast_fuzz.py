@@ -22,6 +22,7 @@ import pytest
 
 import unified_amp as amp
 
+from ..contract import rules_table
 from . import autocast_ops as ops
 from . import autocast_programs as programs
 
@@ -138,7 +139,7 @@ def contract_violations(p, ran, framework="torch"):
         rule = force.get(op)
         if rule is not None:
             assert on, (op, force)
-            want = ops.rule_dtype(rule, p.low, took)
+            want = rules_table.to_dtype(rule, took, p.low)
             says = f"its rule {rule!r} (floating inputs {took}) says"
         else:
             want = ops.expected_for(op, kind, p.low, framework) if on else (

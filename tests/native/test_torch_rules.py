@@ -137,24 +137,19 @@ def test_an_own_function_first_named_inside_compile_is_refused_naming_the_fix():
 
 # -- custom ops ---------------------------------------------------------------------------
 
-@torch.library.custom_op("unified_amp_test::twice", mutates_args=())
-def twice(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
+def _doubling_op(name):
+    """A ``torch.library`` custom op ``unified_amp_test::name`` that doubles its input."""
+
+    @torch.library.custom_op(f"unified_amp_test::{name}", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op.register_fake(lambda x: torch.empty_like(x))
+    return op
 
 
-@twice.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("unified_amp_test::twice_cast", mutates_args=())
-def twice_cast(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-@twice_cast.register_fake
-def _(x):
-    return torch.empty_like(x)
+twice = _doubling_op("twice")
+twice_cast = _doubling_op("twice_cast")
 
 
 # (On torch's AutocastCPU key for the rest of the process: test_torch_fake_cuda_dtypes.py
